@@ -1,0 +1,24 @@
+{{- define "kvpilot.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.labels" -}}
+app.kubernetes.io/name: kvpilot-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kvpilot.selectorLabels" -}}
+app.kubernetes.io/name: kvpilot-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvpilot.serviceAccountName" -}}
+{{- default (include "kvpilot.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}

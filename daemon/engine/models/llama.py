@@ -1,0 +1,318 @@
+"""Native Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+One forward pass runs one flattened varlen batch: ``input_ids``/``positions`` are ``[T]`` with the
+tokens of all scheduled sequences back to back. Each layer writes its new K/V with
+``kvpilot.kernels.store_kv`` and attends with ``kvpilot.kernels.paged_attention``. q/k/v and
+gate/up are fused into one matmul each. Numerics follow HF transformers (RMSNorm in float32,
+cos/sin cast to the model dtype) so float32 runs match it closely.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from kvpilot import kernels
+from torch import nn
+
+from .base import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # HF normalizes in float32 and scales by the weight in the model dtype
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+def _rope_params(config: Any) -> dict[str, Any]:
+    """transformers 5 keeps RoPE settings in ``rope_parameters``; older configs in rope_theta/rope_scaling."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        for k, v in scaling.items():
+            params.setdefault(k, v)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def rope_inv_freq(config: Any, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scale for the config's RoPE type."""
+    p = _rope_params(config)
+    rope_type = p["rope_type"]
+    base = float(p["rope_theta"])
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    if rope_type == "dynamic":
+        # NTK-aware: exact (plain RoPE) while max_len fits the original window; beyond it a base
+        # fixed for max_len, since paged keys cannot be re-rotated per step as HF does
+        factor = float(p.get("factor", 1.0))
+        orig = int(p.get("original_max_position_embeddings") or config.max_position_embeddings)
+        if max_len > orig:
+            base = base * ((factor * max_len / orig) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base**exps)
+    if rope_type in ("default", "dynamic"):
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(p["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(p["factor"])
+        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        orig = float(p["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are slowed by `factor`, short ones kept; the band between is blended
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        mid = ~(wavelen < orig / high) * ~(wavelen > orig / low)
+        return torch.where(mid, blended, scaled), 1.0
+    # other static schemes (yarn, ...): transformers' own definition
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "longrope":
+        raise ValueError(f"RoPE type {rope_type!r} is not supported")
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        inter = config.intermediate_size
+        self.eps = float(config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.inter = inter
+
+        model_type = getattr(config, "model_type", "llama")
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = model_type == "qwen2" or attn_bias
+        o_bias = attn_bias and model_type != "qwen2"
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.sliding_window = _layer_sliding_window(config, layer_idx)
+
+        kw = {"dtype": dtype, "device": device}
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, hidden, **kw)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, **kw) if qkv_bias else None
+        self.o_weight = _param(hidden, self.q_size, **kw)
+        self.o_bias = _param(hidden, **kw) if o_bias else None
+        self.gate_up_weight = _param(2 * inter, hidden, **kw)
+        self.gate_up_bias = _param(2 * inter, **kw) if mlp_bias else None
+        self.down_weight = _param(hidden, inter, **kw)
+        self.down_bias = _param(hidden, **kw) if mlp_bias else None
+        self.input_norm = _param(hidden, **kw)
+        self.post_norm = _param(hidden, **kw)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+
+        # attention
+        qkv = F.linear(_rms_norm(x, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        # q and k heads rotated together: one RoPE pass; HF's rotate_half layout (two halves)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, hd)
+        x1, x2 = qk.chunk(2, dim=-1)
+        qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, hd)
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_start_loc,
+            self.scale,
+            max_query_len=meta.max_query_len,
+            max_context_len=meta.max_context_len,
+            sliding_window=self.sliding_window,
+        )
+        h = x + F.linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+        # SwiGLU MLP
+        gu = F.linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
+        gate, up = gu.split(self.inter, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+def _layer_sliding_window(config: Any, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    return int(window)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama/Mistral/Qwen2 causal LM; weights named as in HF checkpoints (``model.layers.N...``)."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.eps = float(config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        kw = {"dtype": dtype, "device": device}
+
+        self.embed_tokens = _param(self.vocab_size, self.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype=dtype, device=device) for i in range(self.num_layers)
+        )
+        self.norm = _param(self.hidden_size, **kw)
+        self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(self.vocab_size, self.hidden_size, **kw)
+
+        # cos/sin for every position up to max_model_len, computed in float32 and cast once (as HF does per step)
+        inv_freq, attn_scale = rope_inv_freq(config, self.head_dim, max_model_len)
+        freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("rope_cos", (freqs.cos() * attn_scale).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("rope_sin", (freqs.sin() * attn_scale).to(device=device, dtype=dtype), persistent=False)
+
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+
+    def bind_kv_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
+            raise ValueError(f"need {self.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
+        self.k_caches, self.v_caches = list(k_caches), list(v_caches)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` → final-normed hidden states ``[T, hidden]``."""
+        if not self.k_caches:
+            raise RuntimeError("KV caches are not bound; call bind_kv_caches first")
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim/2]
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        for layer, kc, vc in zip(self.layers, self.k_caches, self.v_caches, strict=True):
+            x = layer(x, cos, sin, attn_meta, kc, vc)
+        return _rms_norm(x, self.norm, self.eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (fusing q/k/v and gate/up); ``KeyError`` listing any missing ones."""
+        expected = self._expected_names()
+        loaded: set[str] = set()
+        skipped: list[str] = []
+        for name, w in weights:
+            key = name.removeprefix("model.")
+            if key == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if "rotary_emb." in key:
+                continue
+            dst = self._dst(key)
+            if dst is None:
+                skipped.append(name)
+                continue
+            if dst.shape != w.shape:
+                raise RuntimeError(f"{name}: checkpoint shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(w)
+            loaded.add(key)
+        if skipped:
+            logger.warning("ignored %d unknown checkpoint tensors, e.g. %s", len(skipped), skipped[:3])
+        missing = sorted(expected - loaded)
+        if missing:
+            raise KeyError(f"missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _expected_names(self) -> set[str]:
+        names = {"embed_tokens.weight", "norm.weight"}
+        if not self.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            names |= {p + s for s in (
+                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+            )}
+            if layer.qkv_bias is not None:
+                names |= {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"}
+            if layer.o_bias is not None:
+                names.add(p + "self_attn.o_proj.bias")
+            if layer.gate_up_bias is not None:
+                names |= {p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias", p + "mlp.down_proj.bias"}
+        return names
+
+    def _dst(self, key: str) -> torch.Tensor | None:
+        """The (slice of the) parameter a checkpoint tensor goes to."""
+        if key == "embed_tokens.weight":
+            return self.embed_tokens.data
+        if key == "norm.weight":
+            return self.norm.data
+        if key == "lm_head.weight":
+            return self.lm_head.data
+        parts = key.split(".")
+        if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= self.num_layers:
+            return None
+        layer: LlamaDecoderLayer = self.layers[int(parts[1])]  # type: ignore[assignment]
+        sub, kind = ".".join(parts[2:-1]), parts[-1]
+        qs, kvs, inter = layer.q_size, layer.kv_size, layer.inter
+        fused = {
+            "self_attn.q_proj": ("qkv", 0, qs),
+            "self_attn.k_proj": ("qkv", qs, qs + kvs),
+            "self_attn.v_proj": ("qkv", qs + kvs, qs + 2 * kvs),
+            "mlp.gate_proj": ("gate_up", 0, inter),
+            "mlp.up_proj": ("gate_up", inter, 2 * inter),
+        }
+        plain = {
+            "self_attn.o_proj": "o",
+            "mlp.down_proj": "down",
+        }
+        if sub in fused:
+            base, lo, hi = fused[sub]
+            t = getattr(layer, f"{base}_{kind}", None)
+            return None if t is None else t.data[lo:hi]
+        if sub in plain:
+            t = getattr(layer, f"{plain[sub]}_{kind}", None)
+            return None if t is None else t.data
+        if sub == "input_layernorm" and kind == "weight":
+            return layer.input_norm.data
+        if sub == "post_attention_layernorm" and kind == "weight":
+            return layer.post_norm.data
+        return None

@@ -1,0 +1,269 @@
+"""ModelRunner: owns the paged KV cache and turns a list of sequences into one flattened forward pass.
+
+``execute`` takes one ``SeqBatchEntry`` per scheduled sequence (decodes: one token; prefill chunks:
+several), builds the varlen batch tensors with numpy (no per-token Python), runs the model and
+returns float32 logits for the entries that need sampling.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from kvpilot import kernels
+
+from .config import EngineConfig
+from .loader import LoadedModel
+from .models import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+_DEFAULT_CPU_KV_BYTES = 1 * GiB
+
+
+@dataclass
+class SeqBatchEntry:
+    token_ids: list[int]  # the tokens to compute this step (decode: 1 token; prefill chunk: several)
+    start_pos: int  # absolute position of token_ids[0] (== tokens of this seq already in the KV cache)
+    block_table: list[int]  # the sequence's KV block ids, covering at least start_pos + len(token_ids) slots
+    compute_logits: bool  # True when the last token of this chunk needs sampling
+
+
+def _configure_cpu_threads() -> None:
+    """Use every CPU this process may run on (torch's default counts physical cores only);
+    ``KVPILOT_NUM_THREADS`` overrides."""
+    env = os.environ.get("KVPILOT_NUM_THREADS")
+    try:
+        n = int(env) if env else len(os.sched_getaffinity(0))
+    except (ValueError, AttributeError):
+        n = os.cpu_count() or 1
+    if n >= 1 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.num_layers: int = self.model.num_layers
+        self.num_kv_heads: int = self.model.num_kv_heads
+        self.head_dim: int = self.model.head_dim
+        self.vocab_size: int = self.model.vocab_size
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self.cpu_k_caches: list[torch.Tensor] = []
+        self.cpu_v_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.num_cpu_blocks = 0
+        if self.device.type == "cpu":
+            _configure_cpu_threads()
+
+    # ------------------------------------------------------------------ memory
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """K and V of one block across all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+    def num_blocks_for_budget(self) -> int:
+        """KV blocks that fit the memory budget (or ``config.num_kv_blocks``); logs the budget."""
+        per_block = self.kv_bytes_per_block
+        if self.config.num_kv_blocks is not None:
+            num_blocks, source = self.config.num_kv_blocks, "num_kv_blocks"
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+            num_blocks, source = budget // per_block, f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+        else:
+            budget = self.config.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
+            num_blocks, source = budget // per_block, f"kv_cache_memory={budget}"
+        num_blocks = int(num_blocks)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({source}) holds no block of {per_block} bytes; give the cache more memory"
+            )
+        blocks_per_seq = -(-self.loaded.max_model_len // self.block_size)
+        logger.info(
+            "memory budget (%s): weights %.1f MiB, KV %d bytes/block (%d tokens), %d blocks = %.1f MiB "
+            "(%d tokens), max %d concurrent seqs at max_model_len=%d",
+            source,
+            self.weight_bytes / 2**20,
+            per_block,
+            self.block_size,
+            num_blocks,
+            num_blocks * per_block / 2**20,
+            num_blocks * self.block_size,
+            num_blocks // blocks_per_seq,
+            self.loaded.max_model_len,
+        )
+        return num_blocks
+
+    def _cuda_kv_budget(self) -> int:
+        """What ``gpu_memory_utilization`` of the device leaves after weights, other users and a peak
+        activation estimate for a full token budget."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free  # our weights, other processes, the CUDA context
+        cfg = self.config
+        hidden = self.model.hidden_size
+        inter = self.model.config.intermediate_size
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        tokens = cfg.max_num_batched_tokens
+        # live at once in one layer: residual, normed input, qkv, attention out, gate_up, activation
+        act = tokens * (4 * hidden + 3 * hidden + 3 * inter) * elem
+        logits = min(cfg.max_num_seqs, tokens) * self.vocab_size * (4 + elem) * 2
+        return max(0, int(total * cfg.gpu_memory_utilization) - used - act - logits)
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate per-layer K and V ``[num_blocks, block_size, kv_heads, head_dim]`` (+ a CPU pool for swap)."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.num_blocks = num_blocks
+        self.cpu_k_caches, self.cpu_v_caches = [], []
+        if num_cpu_blocks > 0:
+            cpu_shape = (num_cpu_blocks, *shape[1:])
+            pin = self.device.type == "cuda"
+            self.cpu_k_caches = [
+                torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)
+            ]
+            self.cpu_v_caches = [
+                torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)
+            ]
+        self.num_cpu_blocks = num_cpu_blocks
+        self.model.bind_kv_caches(self.k_caches, self.v_caches)
+
+    # ------------------------------------------------------------------ block moves
+
+    def _pairs(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src → dst in every layer."""
+        if pairs:
+            kernels.copy_blocks(self.k_caches, self.v_caches, self._pairs(pairs).to(self.device))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block → CPU block, every layer."""
+        if not pairs:
+            return
+        if not self.cpu_k_caches:
+            raise RuntimeError("swap_out needs a CPU block pool: init_kv_cache(..., num_cpu_blocks > 0)")
+        m = self._pairs(pairs)
+        for l in range(self.num_layers):  # noqa: E741
+            kernels.swap_blocks(self.k_caches[l], self.cpu_k_caches[l], m)
+            kernels.swap_blocks(self.v_caches[l], self.cpu_v_caches[l], m)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """CPU block → device block, every layer."""
+        if not pairs:
+            return
+        if not self.cpu_k_caches:
+            raise RuntimeError("swap_in needs a CPU block pool: init_kv_cache(..., num_cpu_blocks > 0)")
+        m = self._pairs(pairs)
+        for l in range(self.num_layers):  # noqa: E741
+            kernels.swap_blocks(self.cpu_k_caches[l], self.k_caches[l], m)
+            kernels.swap_blocks(self.cpu_v_caches[l], self.v_caches[l], m)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ------------------------------------------------------------------ forward
+
+    def _prepare(
+        self, entries: list[SeqBatchEntry]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
+        """Flatten the batch: ids, positions, metadata and the rows whose logits are wanted."""
+        n = len(entries)
+        bs = self.block_size
+        q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
+        starts = np.fromiter((e.start_pos for e in entries), dtype=np.int64, count=n)
+        if (q_lens < 1).any() or (starts < 0).any():
+            raise ValueError("every entry needs at least one token and start_pos >= 0")
+        total = int(q_lens.sum())
+        ids = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries), dtype=np.int64, count=total)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        ctx = starts + q_lens
+        max_ctx = int(ctx.max())
+        if max_ctx > self.loaded.max_model_len:
+            raise ValueError(f"a sequence reaches {max_ctx} tokens, more than max_model_len={self.loaded.max_model_len}")
+
+        # positions: start_pos of the token's sequence + its offset within the chunk
+        seq_of_tok = np.repeat(np.arange(n), q_lens)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(starts - qsl[:-1], q_lens)
+
+        # block tables, padded with 0: scatter the concatenated tables through a row-major mask
+        bt_lens = np.fromiter((len(e.block_table) for e in entries), dtype=np.int64, count=n)
+        need = (ctx + bs - 1) // bs
+        if (bt_lens < need).any():
+            i = int(np.argmax(bt_lens < need))
+            raise ValueError(f"entry {i}: block_table has {bt_lens[i]} blocks, needs {need[i]} for {ctx[i]} tokens")
+        width = int(bt_lens.max())
+        flat = np.fromiter(
+            itertools.chain.from_iterable(e.block_table for e in entries), dtype=np.int64, count=int(bt_lens.sum())
+        )
+        if flat.size and (flat.min() < 0 or flat.max() >= self.num_blocks):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+        table = np.zeros((n, width), dtype=np.int64)
+        table[np.arange(width)[None, :] < bt_lens[:, None]] = flat
+        slots = table[seq_of_tok, positions // bs] * bs + positions % bs
+        block_tables = np.ascontiguousarray(table[:, : int(need.max())], dtype=np.int32)
+
+        want = np.fromiter((e.compute_logits for e in entries), dtype=bool, count=n)
+        logit_rows = qsl[1:][want] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
+            context_lens=torch.from_numpy(ctx.astype(np.int32)).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev, non_blocking=True),
+            max_query_len=int(q_lens.max()),
+            max_context_len=max_ctx,
+        )
+        input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
+        pos = torch.from_numpy(positions).to(dev, non_blocking=True)
+        return input_ids, pos, meta, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, entries: list[SeqBatchEntry]) -> torch.Tensor:
+        """One forward pass over all entries; float32 logits ``[entries with compute_logits, vocab]`` in order."""
+        if not self.k_caches:
+            raise RuntimeError("init_kv_cache must run before execute")
+        if not entries:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        input_ids, positions, meta, rows = self._prepare(entries)
+        hidden = self.model(input_ids, positions, meta)
+        if rows.size == 0:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        if rows.size != hidden.shape[0]:  # all-decode batches keep every row: no gather
+            hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))
+        return self.model.compute_logits(hidden)
+
+    def warmup(self) -> None:
+        """One tiny forward through block 0 (its contents are scratch until the engine writes it)."""
+        n = min(4, self.block_size)
+        self.execute([SeqBatchEntry(token_ids=[0] * n, start_pos=0, block_table=[0], compute_logits=True)])
+        self.execute([SeqBatchEntry(token_ids=[0], start_pos=n, block_table=[0], compute_logits=True)])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,301 @@
+"""The aiohttp application: routes, auth, error bodies, request logs, probes, metrics and SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from .. import __version__
+from .args import ServeArgs
+from .async_engine import AsyncEngine
+from .metrics import CONTENT_TYPE, DaemonMetrics
+from .protocol import APIError
+from .serving import OpenAIServing
+
+log = logging.getLogger("kvpilot.daemon")
+request_log = logging.getLogger("kvpilot.daemon.requests")
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+_HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                     415: "unsupported_media_type"}
+
+ENGINE_KEY = web.AppKey("engine", AsyncEngine)
+STATE_KEY = web.AppKey("state", object)
+
+
+@dataclass
+class ServerState:
+    args: ServeArgs
+    engine: AsyncEngine
+    metrics: DaemonMetrics
+    serving: OpenAIServing
+    draining: bool = False
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    started: float = field(default_factory=time.time)
+
+
+def _error_response(err: APIError, close: bool = False) -> web.Response:
+    headers = dict(err.headers)
+    if close:
+        headers["Connection"] = "close"
+    return web.json_response(err.body(), status=err.status, headers=headers)
+
+
+def _state(request: web.Request) -> ServerState:
+    return request.app[STATE_KEY]  # type: ignore[return-value]
+
+
+@web.middleware
+async def errors_and_logs(request: web.Request, handler) -> web.StreamResponse:
+    """Outermost: every failure becomes an OpenAI error body; every /v1 request gets one log line."""
+    request["kv_start"] = time.monotonic()
+    request["kvlog"] = {}
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except APIError as err:
+        status = err.status
+        request["kvlog"]["error"] = err.message
+        return _error_response(err, close=_state(request).draining)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            status = exc.status
+            raise
+        status = exc.status
+        err = APIError(exc.reason if exc.status != 413 else f"request body too large (limit {MAX_BODY_BYTES} bytes)",
+                       status=exc.status, code=_HTTP_ERROR_CODES.get(exc.status))
+        for h in ("Allow",):
+            if h in exc.headers:
+                err.headers[h] = exc.headers[h]
+        request["kvlog"]["error"] = err.message
+        return _error_response(err)
+    except asyncio.CancelledError:
+        status = 499  # client closed the connection
+        request["kvlog"].setdefault("outcome", "client_disconnected")
+        raise
+    except ConnectionError:
+        status = 499
+        request["kvlog"].setdefault("outcome", "client_disconnected")
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug must not become a dropped connection
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        request["kvlog"]["error"] = f"{type(exc).__name__}: {exc}"
+        return _error_response(APIError("internal server error", status=500, type="internal_error",
+                                         code="internal_error"))
+    finally:
+        st = _state(request)
+        if request.path.startswith("/v1/") and not st.args.disable_log_requests:
+            fields: dict[str, Any] = {"event": "request", "method": request.method, "path": request.path,
+                                      "status": status, "client": request.remote,
+                                      "latency_s": round(time.monotonic() - request["kv_start"], 4)}
+            fields.update(request["kvlog"])
+            request_log.info("request", extra={"fields": fields})
+
+
+@web.middleware
+async def auth_and_drain(request: web.Request, handler) -> web.StreamResponse:
+    """/v1/* needs the API key (when set), is refused while draining, and counts as in flight."""
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    st = _state(request)
+    key = st.args.api_key
+    if key:
+        got = request.headers.get("Authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError("Incorrect or missing API key. Send 'Authorization: Bearer <key>'.", status=401,
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    if st.draining:
+        st.metrics.rejected("draining")
+        raise APIError("the server is shutting down; retry on another replica", status=503,
+                       type="service_unavailable_error", code="draining", headers={"Connection": "close"})
+    st.inflight += 1
+    st.idle.clear()
+    try:
+        return await handler(request)
+    finally:
+        st.inflight -= 1
+        if st.inflight == 0:
+            st.idle.set()
+
+
+async def health(request: web.Request) -> web.Response:
+    eng = _state(request).engine
+    if eng.alive:
+        return web.json_response({"status": "ok", "engine": eng.state.value})
+    return web.json_response({"status": "dead", "engine": eng.state.value, "error": eng.error}, status=503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    st = _state(request)
+    if st.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not st.engine.ready:
+        return web.json_response({"status": st.engine.state.value}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = _state(request).metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})
+
+
+def _model_card(st: ServerState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(st.started), "owned_by": "kvpilot",
+            "root": st.args.model, "parent": None, "max_model_len": st.engine.max_model_len or None}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    st = _state(request)
+    return web.json_response({"object": "list", "data": [_model_card(st, n) for n in st.serving.model_names]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    st = _state(request)
+    name = request.match_info["model"]
+    if name not in st.serving.model_names:
+        raise APIError(f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found")
+    return web.json_response(_model_card(st, name))
+
+
+def build_app(args: ServeArgs, engine: AsyncEngine | None = None) -> web.Application:
+    """The application; the engine is created (not started) here unless one is passed in."""
+    metrics_ = DaemonMetrics(args.served_model_name[0] if args.served_model_name else "")
+    if engine is None:
+        engine = AsyncEngine(args.engine_config(), max_queued_requests=args.max_queued_requests,
+                             max_queued_tokens=args.max_queued_tokens, metrics=metrics_)
+    else:
+        engine.metrics = metrics_
+    metrics_.stats_fn = lambda: engine.stats
+    metrics_.queued_fn = lambda: engine.num_queued
+    serving = OpenAIServing(engine, args.served_model_name, args.scheduling_policy, args.max_num_seqs)
+    app = web.Application(middlewares=[errors_and_logs, auth_and_drain], client_max_size=MAX_BODY_BYTES)
+    state = ServerState(args=args, engine=engine, metrics=metrics_, serving=serving)
+    state.idle.set()
+    app[STATE_KEY] = state
+    app[ENGINE_KEY] = engine
+    app.router.add_post("/v1/completions", serving.completions)
+    app.router.add_post("/v1/chat/completions", serving.chat)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/version", version)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def server_state(app: web.Application) -> ServerState:
+    return app[STATE_KEY]  # type: ignore[return-value]
+
+
+async def start_engine(app: web.Application) -> None:
+    """Load the model; afterwards the metrics carry the served model name."""
+    st = server_state(app)
+    await st.engine.start()
+    st.metrics.model_name = st.serving.model_name
+    log.info("model loaded", extra={"fields": {"model": st.args.model, "served_model_name": st.serving.model_name,
+                                               "max_model_len": st.engine.max_model_len,
+                                               "kv_capacity_tokens": st.engine.kv_capacity_tokens}})
+
+
+async def drain(app: web.Application, timeout: float) -> None:
+    """Refuse new work, let in-flight requests finish for up to `timeout` s, then abort the rest."""
+    st = server_state(app)
+    st.draining = True
+    log.info("draining", extra={"fields": {"inflight": st.inflight, "timeout_s": timeout}})
+    try:
+        await asyncio.wait_for(st.idle.wait(), timeout)
+    except TimeoutError:
+        n = st.engine.abort_all("shutdown timeout")
+        log.warning("shutdown timeout: aborted requests", extra={"fields": {"aborted": n}})
+        try:  # the aborted requests' handlers now finish their responses
+            await asyncio.wait_for(st.idle.wait(), 5.0)
+        except TimeoutError:
+            pass
+
+
+async def serve(args: ServeArgs) -> int:
+    """Run until SIGTERM/SIGINT. Exit code 0 after a drain, 1 if the model fails to load."""
+    app = build_app(args)
+    st = server_state(app)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+                           shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    await site.start()
+    port = args.port
+    for sock in getattr(site._server, "sockets", None) or []:  # port 0: report the one the OS picked
+        port = sock.getsockname()[1]
+    log.info("listening", extra={"fields": {"host": args.host, "port": port, "model": args.model}})
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal signals
+        signals += 1
+        log.info("signal received", extra={"fields": {"signal": sig.name, "count": signals}})
+        if signals > 1:  # a second signal: stop waiting for in-flight work
+            st.engine.abort_all("shutdown")
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    load = asyncio.create_task(start_engine(app))
+    stopper = asyncio.create_task(stop.wait())
+    code = 0
+    try:
+        await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if load.done() and load.exception() is not None:
+            log.error("model failed to load; exiting", extra={"fields": {"error": str(load.exception())}})
+            code = 1
+        else:
+            await stop.wait()
+            await drain(app, 0.0 if signals > 1 else args.shutdown_timeout)
+    finally:
+        for t in (load, stopper):
+            if not t.done():
+                t.cancel()
+        st.draining = True
+        await runner.cleanup()
+        await st.engine.shutdown(timeout=5.0)
+        log.info("stopped", extra={"fields": {"exit_code": code}})
+    return code
+
+
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line; `extra={"fields": {...}}` merges into it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        obj: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
+                               "logger": record.name, "msg": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            obj.update(fields)
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        return json.dumps(obj, default=str)
+
+
+def setup_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

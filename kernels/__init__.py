@@ -1,0 +1,123 @@
+"""Paged KV-cache kernels with backend dispatch.
+
+The engine imports only from here. Triton runs when the tensors are on CUDA and triton is
+importable; the torch reference runs otherwise. ``KVPILOT_ATTENTION_BACKEND=triton|torch``
+forces one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``).
+Triton is optional: it is imported on first use only.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+
+__all__ = [
+    "store_kv",
+    "paged_attention",
+    "copy_blocks",
+    "swap_blocks",
+    "backend_for",
+    "triton_available",
+]
+
+_ENV = "KVPILOT_ATTENTION_BACKEND"
+_triton_mod: ModuleType | None = None
+_triton_error: Exception | None = None
+
+
+def _load_triton() -> ModuleType | None:
+    global _triton_mod, _triton_error
+    if _triton_mod is None and _triton_error is None:
+        try:
+            from . import triton_kernels
+
+            _triton_mod = triton_kernels
+        except Exception as e:  # ImportError, or a triton without a usable backend
+            _triton_error = e
+    return _triton_mod
+
+
+def triton_available() -> bool:
+    return _load_triton() is not None
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """'triton' or 'torch' for a call on tensor ``t`` (env var first, then the device)."""
+    forced = os.environ.get(_ENV, "").strip().lower()
+    if forced == "torch":
+        return "torch"
+    if forced == "triton":
+        if _load_triton() is None:
+            raise RuntimeError(f"{_ENV}=triton but triton cannot be imported: {_triton_error}")
+        return "triton"
+    if forced:
+        raise ValueError(f"{_ENV} must be 'triton' or 'torch', not {forced!r}")
+    if t.is_cuda and _load_triton() is not None:
+        return "triton"
+    return "torch"
+
+
+def _impl(t: torch.Tensor) -> ModuleType:
+    return _triton_mod if backend_for(t) == "triton" else reference  # type: ignore[return-value]
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` ``[T, kvh, d]`` into cache slots; slot -1 is skipped. In place."""
+    _impl(k_cache).store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention over the paged cache; returns ``[num_query_tokens, H, d]``.
+
+    ``context_lens[i]`` counts sequence i's tokens in the cache including this step's (store_kv
+    runs first); its query rows are the last ``q_i`` positions. With ``sliding_window`` w a
+    query at position p sees keys k with p - w < k <= p.
+    """
+    return _impl(query).paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        scale,
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
+        sliding_window=sliding_window,
+        out=out,
+    )
+
+
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+    """Copy-on-write: for each (src, dst) row of int64 ``[N, 2]``, copy the block in every layer."""
+    if not k_caches:
+        return
+    _impl(k_caches[0]).copy_blocks(k_caches, v_caches, src_to_dst)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) -> None:
+    """Copy blocks between a device cache and a host cache (same block shape), for swap preemption."""
+    reference.swap_blocks(src, dst, src_to_dst)

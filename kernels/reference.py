@@ -1,0 +1,195 @@
+"""Torch reference kernels for the paged KV cache.
+
+These are the engine's CPU hot path, so they are vectorized: every decode row of a batch goes
+through one gathered SDPA call; only prefill chunks (few per step) are handled per sequence.
+Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer; slot =
+block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["store_kv", "paged_attention", "copy_blocks", "swap_blocks"]
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, kvh, d]`` into their slots; slot -1 means skip (padding)."""
+    if key.shape[0] == 0:
+        return
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv needs contiguous caches")
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    n = slots.shape[0]
+    key, value = key[:n], value[:n]
+    valid = slots >= 0
+    if not bool(valid.all()):
+        idx = valid.nonzero().squeeze(1)
+        slots, key, value = slots[idx], key[idx], value[idx]
+    # flatten(0, 1) is a view for the contiguous caches the engine allocates
+    kf = k_cache.flatten(0, 1)
+    vf = v_cache.flatten(0, 1)
+    kf.index_copy_(0, slots, key.to(k_cache.dtype))
+    vf.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _attend_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx: torch.Tensor,
+    max_ctx: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One query row per sequence, all sequences in a single SDPA call. q: [n, H, d]."""
+    n, num_heads, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    g = num_heads // kvh
+    nb = (max_ctx + bs - 1) // bs
+    first = 0
+    if sliding_window is not None and sliding_window < max_ctx:
+        # skip the leading blocks that fall outside every sequence's window
+        first = max(0, int(ctx.min()) - sliding_window) // bs
+    bt = block_tables[:, first:nb].long().clamp_(min=0).flatten()
+    length = (nb - first) * bs
+    # index_select is several times faster than advanced indexing here; [n, kvh, L, d] strided view
+    k = k_cache.index_select(0, bt).view(n, length, kvh, d).transpose(1, 2)
+    v = v_cache.index_select(0, bt).view(n, length, kvh, d).transpose(1, 2)
+    pos = torch.arange(first * bs, nb * bs, device=q.device)
+    mask = pos[None, :] < ctx[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] >= (ctx[:, None] - sliding_window)
+    # the g query heads sharing a kv head act as g query rows of that head: GQA without repeats
+    qg = q.view(n, kvh, g, d)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return o.reshape(n, num_heads, d)
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    ctx: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q: [ql, H, d], the last ql positions of a ctx-token sequence; causal with the offset."""
+    ql, num_heads, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    g = num_heads // kvh
+    nb = (ctx + bs - 1) // bs
+    bt = blocks[:nb].long().clamp_(min=0)
+    k = k_cache.index_select(0, bt).view(nb * bs, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+    v = v_cache.index_select(0, bt).view(nb * bs, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+    # rows ordered (kv head, group member, query position) so each kv head serves g*ql rows
+    qg = q.view(ql, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * ql, d)
+    qpos = torch.arange(ctx - ql, ctx, device=q.device)
+    kpos = torch.arange(ctx, device=q.device)
+    diff = qpos[:, None] - kpos[None, :]
+    mask = diff >= 0
+    if sliding_window is not None:
+        mask &= diff < sliding_window
+    mask = mask.repeat(g, 1)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[None, None], scale=scale)
+    return o.view(kvh, g, ql, d).permute(2, 0, 1, 3).reshape(ql, num_heads, d)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention of ``query`` against the paged cache (see DESIGN.md, Kernels).
+
+    A query at position p sees keys k with k <= p and, with a sliding window w, p - k < w.
+    """
+    num_tokens, num_heads, d = query.shape
+    kvh = k_cache.shape[2]
+    if num_heads % kvh:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {kvh}")
+    if out is None:
+        out = torch.empty_like(query)
+    b = context_lens.shape[0]
+    if num_tokens == 0 or b == 0:
+        return out
+    dev = query.device
+    qsl = query_start_loc.to(device=dev, dtype=torch.long)
+    ctx = context_lens.to(device=dev, dtype=torch.long)
+    q_lens = qsl[1:] - qsl[:-1]
+    if max_query_len is None:
+        max_query_len = int(q_lens.max())
+    if max_context_len is None:
+        max_context_len = int(ctx.max())
+    if max_query_len == 1 and num_tokens == b:
+        # pure decode: row i is sequence i
+        o = _attend_decode(query, k_cache, v_cache, block_tables, ctx, max_context_len, scale, sliding_window)
+        out.copy_(o)
+        return out
+    q_lens_l = q_lens.tolist()
+    dec = [i for i, n in enumerate(q_lens_l) if n == 1]
+    if dec:
+        dec_t = torch.tensor(dec, device=dev, dtype=torch.long)
+        rows = qsl[dec_t]
+        dctx = ctx[dec_t]
+        o = _attend_decode(
+            query.index_select(0, rows),
+            k_cache,
+            v_cache,
+            block_tables[dec_t],
+            dctx,
+            int(dctx.max()),
+            scale,
+            sliding_window,
+        )
+        out.index_copy_(0, rows, o.to(out.dtype))
+    starts = qsl.tolist()
+    ctx_l = ctx.tolist()
+    for i, n in enumerate(q_lens_l):
+        if n <= 1:
+            continue
+        s = starts[i]
+        out[s : s + n] = _attend_chunk(
+            query[s : s + n], k_cache, v_cache, block_tables[i], ctx_l[i], scale, sliding_window
+        )
+    return out
+
+
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+    """Copy-on-write: block src -> block dst in every layer's K and V cache."""
+    if src_to_dst.numel() == 0:
+        return
+    pairs = src_to_dst.to(device=k_caches[0].device, dtype=torch.long)
+    src, dst = pairs[:, 0], pairs[:, 1]
+    for kc, vc in zip(k_caches, v_caches, strict=True):
+        kc.index_copy_(0, dst, kc.index_select(0, src))
+        vc.index_copy_(0, dst, vc.index_select(0, src))
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) -> None:
+    """Copy blocks between two caches of the same block shape, possibly on different devices."""
+    if src_to_dst.numel() == 0:
+        return
+    pairs = src_to_dst.to(dtype=torch.long)
+    s = pairs[:, 0].to(src.device)
+    t = pairs[:, 1].to(dst.device)
+    blocks = src.index_select(0, s)
+    dst.index_copy_(0, t, blocks.to(dst.device, non_blocking=dst.device.type == "cuda"))

@@ -1,0 +1,3 @@
+"""kvpilot: Kubernetes-native LLM serving."""
+
+__version__ = "0.1.0"

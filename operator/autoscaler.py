@@ -1,0 +1,178 @@
+"""The autoscaling policy: metric samples over time -> desired replicas. Pure: no I/O, time is an argument.
+
+Signals are totals over the Ready pods; per signal the desire is ceil(total / per-replica target), and the
+desire is the max over signals. A stable window smooths normal decisions; a short panic window reacts to bursts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+EPS = 1e-9  # 1.4 / 0.7 must be 2 replicas, not 3
+
+
+@dataclass(frozen=True)
+class Policy:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_cache_usage: float = 0.7
+    target_waiting_requests: float = 4.0
+    stable_window: float = 120.0
+    panic_window: float = 20.0
+    panic_threshold: float = 2.0
+    scale_down_delay: float = 300.0
+    max_scale_up_rate: float = 2.0
+    max_scale_down_rate: float = 2.0
+
+    @classmethod
+    def from_spec(cls, a: dict[str, Any]) -> Policy:
+        """From a defaulted spec.autoscaling."""
+        return cls(
+            min_replicas=a["minReplicas"], max_replicas=a["maxReplicas"],
+            target_kv_cache_usage=float(a["targetKVCacheUsage"]),
+            target_waiting_requests=float(a["targetWaitingRequests"]),
+            stable_window=float(a["stableWindowSeconds"]), panic_window=float(a["panicWindowSeconds"]),
+            panic_threshold=float(a["panicThreshold"]), scale_down_delay=float(a["scaleDownDelaySeconds"]),
+            max_scale_up_rate=float(a["maxScaleUpRate"]), max_scale_down_rate=float(a["maxScaleDownRate"]),
+        )
+
+    def clamp(self, n: int) -> int:
+        return min(max(n, self.min_replicas), self.max_replicas)
+
+
+@dataclass(frozen=True)
+class PodSample:
+    kv_cache_usage: float  # fraction of the pod's KV blocks in use
+    waiting: float
+    running: float = 0.0
+
+
+@dataclass(frozen=True)
+class Observation:
+    samples: tuple[PodSample, ...] = ()  # one per Ready pod whose scrape worked
+    failed: int = 0  # Ready pods whose scrape failed: their load is unknown, not zero
+    not_ready: int = 0  # pods still starting: capacity on its way
+
+    @property
+    def ready(self) -> int:
+        return len(self.samples) + self.failed
+
+
+@dataclass(frozen=True)
+class Decision:
+    current: int
+    desired: int
+    reason: str
+    panic: bool = False
+    metrics_known: bool = False
+    kv_total: float = 0.0  # extrapolated over all Ready pods
+    waiting_total: float = 0.0
+    running_total: float = 0.0
+    stable_desire: int | None = None
+    panic_desire: int | None = None
+    sampled: int = 0
+    failed: int = 0
+    not_ready: int = 0
+
+    @property
+    def scaled(self) -> bool:
+        return self.desired != self.current
+
+    @property
+    def mean_kv_cache_usage(self) -> float:
+        ready = self.sampled + self.failed
+        return self.kv_total / ready if ready else 0.0
+
+    def message(self) -> str:
+        return (f"{self.reason}: replicas {self.current} -> {self.desired}; panic={self.panic} "
+                f"kv_total={self.kv_total:.2f} waiting_total={self.waiting_total:.1f} "
+                f"stable_desire={self.stable_desire} panic_desire={self.panic_desire} "
+                f"sampled={self.sampled} failed={self.failed} not_ready={self.not_ready}")
+
+
+def _ceil(x: float) -> int:
+    return max(0, math.ceil(x - EPS))
+
+
+@dataclass
+class Autoscaler:
+    policy: Policy
+    _loads: deque[tuple[float, float, float]] = field(default_factory=deque)  # (t, kv_total, waiting_total)
+    _desires: deque[tuple[float, int]] = field(default_factory=deque)  # (t, wanted replicas) for scale-down
+    _since: float | None = None  # first decision: the scale-down delay needs this much history
+    _panic_until: float | None = None
+
+    def desire(self, kv_total: float, waiting_total: float) -> int:
+        p = self.policy
+        return max(_ceil(kv_total / p.target_kv_cache_usage), _ceil(waiting_total / p.target_waiting_requests))
+
+    def _window_desire(self, now: float, window: float) -> int:
+        rows = [(kv, w) for t, kv, w in self._loads if t > now - window]
+        kv = sum(r[0] for r in rows) / len(rows)
+        waiting = sum(r[1] for r in rows) / len(rows)
+        return self.desire(kv, waiting)
+
+    def _remember(self, now: float, wanted: int) -> None:
+        if self._since is None:
+            self._since = now
+        self._desires.append((now, wanted))
+        while self._desires and self._desires[0][0] < now - self.policy.scale_down_delay:
+            self._desires.popleft()
+
+    def decide(self, now: float, current: int, obs: Observation) -> Decision:
+        p = self.policy
+        base = {"current": current, "sampled": len(obs.samples), "failed": obs.failed, "not_ready": obs.not_ready}
+        if not obs.samples:
+            # Unknown load: hold (only the user's bounds may move replicas) and block later scale-downs.
+            self._remember(now, current)
+            reason = "MetricsUnknown" if obs.failed else "NoReadyPods"
+            return Decision(desired=p.clamp(current), reason=reason, **base)
+
+        n = len(obs.samples)
+        scale = obs.ready / n  # extrapolate the answering pods' mean to the pods that did not answer
+        kv_total = sum(s.kv_cache_usage for s in obs.samples) * scale
+        waiting_total = sum(s.waiting for s in obs.samples) * scale
+        running_total = sum(s.running for s in obs.samples) * scale
+        self._loads.append((now, kv_total, waiting_total))
+        while self._loads and self._loads[0][0] <= now - p.stable_window:
+            self._loads.popleft()
+        stable = self._window_desire(now, p.stable_window)
+        panic_desire = self._window_desire(now, p.panic_window)
+        base.update(metrics_known=True, kv_total=kv_total, waiting_total=waiting_total,
+                    running_total=running_total, stable_desire=stable, panic_desire=panic_desire)
+
+        if panic_desire >= p.panic_threshold * max(current, 1):
+            self._panic_until = now + p.stable_window
+        panic = self._panic_until is not None and now < self._panic_until
+        if not panic:
+            self._panic_until = None
+        wanted = max(current, panic_desire) if panic else stable
+        if obs.failed:
+            wanted = max(wanted, current)  # never scale down on missing data
+        self._remember(now, wanted)
+
+        up_cap = max(math.ceil(current * p.max_scale_up_rate), current + 1)
+        down_floor = math.ceil(current / p.max_scale_down_rate)
+        if wanted > current:
+            desired = min(wanted, up_cap)
+            reason = "Panic" if panic else "ScaleUp"
+        elif wanted < current:
+            # Scale down to the highest desire seen over the whole delay, and only with that much history.
+            highest = max(d for _, d in self._desires)
+            since = now if self._since is None else self._since
+            if now - since < p.scale_down_delay or highest >= current:
+                desired, reason = current, "ScaleDownDelayed"
+            else:
+                desired, reason = max(highest, down_floor), "ScaleDown"
+        else:
+            desired, reason = current, ("Panic" if panic else "Steady")
+        if obs.failed and desired == current:
+            reason = "MetricsPartial"
+
+        clamped = p.clamp(desired)
+        if clamped != desired:
+            reason = "AtMaximum" if clamped < desired else "AtMinimum"
+        return Decision(desired=clamped, reason=reason, panic=panic, **base)

@@ -1,0 +1,121 @@
+"""The InferenceDeployment CRD as data: its schema, the API server's defaulting, and spec validation.
+
+The operator applies the schema's defaults itself (as the API server would) so that it behaves the same on a
+cluster and on an API emulator, and re-checks the CEL rules in Python so an invalid spec becomes a condition.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from importlib import resources
+from typing import Any
+
+import jsonschema
+import yaml
+
+CRD_RESOURCE = "inferencedeployment-crd.yaml"
+
+# Mirrors the CEL rule on spec.model.uri in the CRD.
+URI_RE = re.compile(r"^(?:(?:hf|builtin)://[^/].*|pvc://[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:/.*)?|file:///.+)$")
+MAX_NAME_LEN = 50
+
+
+@functools.cache
+def load_crd() -> dict[str, Any]:
+    text = resources.files("kvpilot.operator").joinpath(CRD_RESOURCE).read_text(encoding="utf-8")
+    return yaml.safe_load(text)
+
+
+def version_schema(version: str = "v1alpha1") -> dict[str, Any]:
+    for v in load_crd()["spec"]["versions"]:
+        if v["name"] == version:
+            return v["schema"]["openAPIV3Schema"]
+    raise KeyError(version)
+
+
+def spec_schema() -> dict[str, Any]:
+    return version_schema()["properties"]["spec"]
+
+
+def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
+    """Structural defaulting like the API server: fill absent properties that have a default, recursively."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        out = dict(value)
+        props = schema.get("properties", {})
+        for key, sub in props.items():
+            if key not in out and "default" in sub:
+                out[key] = copy.deepcopy(sub["default"])
+            if key in out and out[key] is not None:
+                out[key] = apply_defaults(out[key], sub)
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in out.keys() - props.keys():
+                out[key] = apply_defaults(out[key], extra)
+        return out
+    if isinstance(value, list) and "items" in schema:
+        return [apply_defaults(item, schema["items"]) for item in value]
+    return value
+
+
+def default_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    return apply_defaults(spec or {}, spec_schema())
+
+
+def strict_schema(schema: Any) -> Any:
+    """The schema with unknown object fields forbidden, as kubectl's strict field validation does."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) for k, v in schema.items() if k != "default"}
+    if "default" in schema:
+        out["default"] = schema["default"]
+    if (
+        schema.get("type") == "object"
+        and "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def _spec_validator() -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(strict_schema(spec_schema()))
+
+
+def schema_errors(spec: dict[str, Any]) -> list[str]:
+    errors = sorted(_spec_validator().iter_errors(spec), key=lambda e: list(e.absolute_path))
+    return [f"spec.{'.'.join(str(p) for p in e.absolute_path)}: {e.message}".replace("spec.:", "spec:") for e in errors]
+
+
+def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
+    """The CRD's CEL rules (except the immutability transition rule), re-checked on a defaulted spec."""
+    errors = []
+    if len(name) > MAX_NAME_LEN:
+        errors.append(f"metadata.name must be at most {MAX_NAME_LEN} characters")
+    uri = str(spec.get("model", {}).get("uri", ""))
+    if uri and not URI_RE.match(uri):
+        errors.append("model.uri must start with hf://, pvc://claim/, builtin:// or file:///")
+    a = spec.get("autoscaling", {})
+    try:
+        if a["minReplicas"] > a["maxReplicas"]:
+            errors.append("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
+        if a["panicWindowSeconds"] > a["stableWindowSeconds"]:
+            errors.append("autoscaling.panicWindowSeconds must be <= autoscaling.stableWindowSeconds")
+        if not 0.0 < a["targetKVCacheUsage"] <= 1.0:
+            errors.append("autoscaling.targetKVCacheUsage must be in (0, 1]")
+        if not a["targetWaitingRequests"] > 0.0:
+            errors.append("autoscaling.targetWaitingRequests must be > 0")
+    except (KeyError, TypeError):
+        pass  # already reported by the schema check
+    return errors
+
+
+def validate(name: str, spec: dict[str, Any]) -> list[str]:
+    """All problems of a defaulted spec, as messages for a status condition; empty when valid."""
+    errors = schema_errors(spec)
+    return errors + rule_errors(name, spec) if not errors else errors

@@ -1,0 +1,278 @@
+"""Pure functions: an InferenceDeployment (defaulted spec + metadata) -> the manifests of its children.
+
+Nothing here talks to the API; the same input always renders the same output, which makes reconcile idempotent.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvpilot.operator import GROUP, KIND, VERSION
+
+DAEMON_PORT = 8000
+CACHE_DIR = "/cache"
+PVC_MOUNT = "/models/pvc"
+PRESTOP_SLEEP_SECONDS = 5  # lets endpoints drop the pod before SIGTERM starts the drain
+DRAIN_MARGIN_SECONDS = 15  # SIGKILL comes this long after the daemon's own drain deadline
+STARTUP_PROBE_PERIOD = 10
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+OWNER_LABEL = "kvpilot.io/inferencedeployment"
+DAEMON_APP = "kvpilot-daemon"
+MANAGER = "kvpilot-operator"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {NAME_LABEL: DAEMON_APP, OWNER_LABEL: name}
+
+
+def labels(name: str) -> dict[str, str]:
+    return {**selector_labels(name), INSTANCE_LABEL: name, MANAGED_BY_LABEL: MANAGER,
+            "app.kubernetes.io/component": "model-server"}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def matches_selector(pod_labels: dict[str, str] | None, name: str) -> bool:
+    pod_labels = pod_labels or {}
+    return all(pod_labels.get(k) == v for k, v in selector_labels(name).items())
+
+
+def owner_reference(meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def child_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": meta["name"],
+        "namespace": meta["namespace"],
+        "labels": labels(meta["name"]),
+        "ownerReferences": [owner_reference(meta)],
+    }
+
+
+def served_model_name(meta: dict[str, Any], spec: dict[str, Any]) -> str:
+    return spec["model"].get("name") or meta["name"]
+
+
+def parse_model_uri(uri: str) -> tuple[str, str]:
+    """'pvc://claim/sub/dir' -> ('pvc', 'claim/sub/dir'); the scheme is validated by the CRD."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        raise ValueError(f"model uri without a scheme: {uri!r}")
+    return scheme, rest
+
+
+def model_argument(uri: str) -> str:
+    """The MODEL argument of `kvpilot serve` for a model uri, as seen inside the pod."""
+    scheme, rest = parse_model_uri(uri)
+    if scheme == "pvc":
+        _claim, _, path = rest.partition("/")
+        return f"{PVC_MOUNT}/{path}".rstrip("/")
+    if scheme == "file":
+        return rest
+    return uri  # hf:// and builtin:// are resolved by the daemon's loader
+
+
+def shutdown_timeout(spec: dict[str, Any]) -> int:
+    return max(1, spec["terminationGracePeriodSeconds"] - PRESTOP_SLEEP_SECONDS - DRAIN_MARGIN_SECONDS)
+
+
+def daemon_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    e = spec["engine"]
+    args = [
+        "serve", model_argument(spec["model"]["uri"]),
+        "--host", "0.0.0.0",
+        "--port", str(DAEMON_PORT),
+        "--served-model-name", served_model_name(meta, spec),
+        "--block-size", str(e["blockSize"]),
+        "--max-num-seqs", str(e["maxNumSeqs"]),
+        "--max-num-batched-tokens", str(e["maxNumBatchedTokens"]),
+        "--dtype", e["dtype"],
+        "--enable-prefix-caching" if e["enablePrefixCaching"] else "--no-enable-prefix-caching",
+        "--scheduling-policy", e["schedulingPolicy"],
+        "--shutdown-timeout", str(shutdown_timeout(spec)),
+    ]
+    if e.get("maxModelLen"):
+        args += ["--max-model-len", str(e["maxModelLen"])]
+    if e.get("kvCacheMemory"):
+        args += ["--kv-cache-memory", e["kvCacheMemory"]]
+    if e.get("maxQueuedRequests"):
+        args += ["--max-queued-requests", str(e["maxQueuedRequests"])]
+    if spec.get("apiKeySecret"):
+        args += ["--api-key", "$(KVPILOT_API_KEY)"]  # expanded by the kubelet, never stored in the spec
+    return args + list(e.get("extraArgs", []))
+
+
+def container_resources(spec: dict[str, Any]) -> dict[str, Any]:
+    r = spec["resources"]
+    amounts: dict[str, Any] = {"cpu": str(r["cpu"]), "memory": str(r["memory"])}
+    if r["gpus"] > 0:
+        amounts[r["gpuResourceName"]] = str(r["gpus"])
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _secret_env(var: str, ref: dict[str, Any]) -> dict[str, Any]:
+    return {"name": var, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}
+
+
+def container_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    env = [
+        {"name": "HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+    ]
+    if spec.get("hfTokenSecret"):
+        env.append(_secret_env("HF_TOKEN", spec["hfTokenSecret"]))
+    if spec.get("apiKeySecret"):
+        env.append(_secret_env("KVPILOT_API_KEY", spec["apiKeySecret"]))
+    return env + list(spec.get("env", []))
+
+
+def probes(spec: dict[str, Any]) -> dict[str, Any]:
+    def http(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+                "timeoutSeconds": 5, "failureThreshold": failures}
+
+    return {
+        # The startup probe holds the other two off while the model loads, however long that takes.
+        "startupProbe": http("/health", STARTUP_PROBE_PERIOD,
+                             math.ceil(spec["startupTimeoutSeconds"] / STARTUP_PROBE_PERIOD)),
+        "readinessProbe": http("/ready", 5, 2),
+        "livenessProbe": http("/health", 10, 6),
+    }
+
+
+def volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cache = spec["modelCache"]
+    empty_dir: dict[str, Any] = {"sizeLimit": cache["sizeLimit"]}
+    if cache.get("medium"):
+        empty_dir["medium"] = cache["medium"]
+    vols = [{"name": "model-cache", "emptyDir": empty_dir}, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "model-cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    scheme, rest = parse_model_uri(spec["model"]["uri"])
+    if scheme == "pvc":
+        claim = rest.partition("/")[0]
+        vols.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": PVC_MOUNT, "readOnly": True})
+    return vols, mounts
+
+
+def pod_template(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
+    vols, mounts = volumes(spec)
+    container = {
+        "name": "daemon",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["kvpilot"],
+        "args": daemon_args(meta, spec),
+        "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}],
+        "env": container_env(spec),
+        "resources": container_resources(spec),
+        **probes(spec),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": vols,
+        "terminationGracePeriodSeconds": spec["terminationGracePeriodSeconds"],
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"):
+        if spec.get(key):
+            pod_spec[key] = spec[key]
+    annotations = {"kvpilot.io/metrics-path": "/metrics", "kvpilot.io/metrics-port": str(DAEMON_PORT)}
+    return {
+        "metadata": {
+            "labels": {**spec.get("podLabels", {}), **labels(name)},
+            "annotations": {**spec.get("podAnnotations", {}), **annotations},
+        },
+        "spec": pod_spec,
+    }
+
+
+def render_deployment(meta: dict[str, Any], spec: dict[str, Any], replicas: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(meta),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(meta["name"])},
+            # One new pod at a time and none taken away before its successor is Ready.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec["startupTimeoutSeconds"] + 300,
+            "template": pod_template(meta, spec),
+        },
+    }
+
+
+def render_service(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    svc = spec["service"]
+    metadata = child_metadata(meta)
+    if svc.get("annotations"):
+        metadata["annotations"] = dict(svc["annotations"])
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": svc["type"],
+            "selector": selector_labels(meta["name"]),
+            "ports": [{"name": "http", "port": svc["port"], "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_pdb(meta: dict[str, Any], replicas: int) -> dict[str, Any] | None:
+    """A PodDisruptionBudget only when there is a replica to spare; with one pod it would block node drains."""
+    if replicas <= 1:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": child_metadata(meta),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(meta["name"])}},
+    }
+
+
+def service_url(meta: dict[str, Any], spec: dict[str, Any]) -> str:
+    return f"http://{meta['name']}.{meta['namespace']}.svc:{spec['service']['port']}/v1"
+
+
+def reconcile_replicas(spec: dict[str, Any], live: int | None) -> int:
+    """Replicas to write on reconcile. With autoscaling on, keep the live count (the autoscaler owns it),
+    only clamped into [min, max]; a new Deployment starts at minReplicas."""
+    a = spec["autoscaling"]
+    if not a["enabled"]:
+        return spec["replicas"]
+    if live is None:
+        return a["minReplicas"]
+    return min(max(live, a["minReplicas"]), a["maxReplicas"])

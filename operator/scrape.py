@@ -1,0 +1,119 @@
+"""Concurrent scrape of the daemons' /metrics, parsed with prometheus_client's text parser."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from kvpilot.operator.autoscaler import Observation, PodSample
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+METRICS_PORT_ANNOTATION = "kvpilot.io/metrics-port"
+METRICS_PATH_ANNOTATION = "kvpilot.io/metrics-path"
+
+DEFAULT_NAMES = {
+    "kvCacheUsage": "vllm:kv_cache_usage_perc",
+    "waitingRequests": "vllm:num_requests_waiting",
+    "runningRequests": "vllm:num_requests_running",
+}
+
+
+class ScrapeError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Target:
+    pod: str
+    url: str  # http://ip:port/metrics
+
+
+def parse_metrics(text: str, names: dict[str, str]) -> PodSample:
+    """One pod's page -> a sample. A missing KV or waiting series is an error, never zero load."""
+    values: dict[str, list[float]] = {}
+    wanted = set(names.values())
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in wanted:
+                values.setdefault(s.name, []).append(float(s.value))
+    missing = [names[k] for k in ("kvCacheUsage", "waitingRequests") if names[k] not in values]
+    if missing:
+        raise ScrapeError(f"series missing: {', '.join(missing)}")
+    # A pod serves one model; several series (label sets) are summed, KV usage takes the fullest.
+    return PodSample(
+        kv_cache_usage=max(values[names["kvCacheUsage"]]),
+        waiting=sum(values[names["waitingRequests"]]),
+        running=sum(values.get(names.get("runningRequests", ""), [0.0])),
+    )
+
+
+async def scrape_one(session: aiohttp.ClientSession, target: Target, names: dict[str, str],
+                     timeout: float) -> PodSample:
+    try:
+        async with session.get(target.url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                raise ScrapeError(f"HTTP {resp.status}")
+            text = await resp.text()
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        raise ScrapeError(f"{type(e).__name__}: {e}") from e
+    try:
+        return parse_metrics(text, names)
+    except ScrapeError:
+        raise
+    except Exception as e:  # the parser raises ValueError and friends on garbage
+        raise ScrapeError(f"unparsable metrics: {e}") from e
+
+
+@dataclass(frozen=True)
+class ScrapeResult:
+    observation: Observation
+    errors: dict[str, str]  # pod -> why its scrape failed
+
+
+async def scrape(session: aiohttp.ClientSession, targets: Iterable[Target], not_ready: int,
+                 names: dict[str, str], timeout: float = 2.0) -> ScrapeResult:
+    targets = list(targets)
+    results = await asyncio.gather(*(scrape_one(session, t, names, timeout) for t in targets),
+                                   return_exceptions=True)
+    samples, errors = [], {}
+    for t, r in zip(targets, results, strict=True):
+        if isinstance(r, PodSample):
+            samples.append(r)
+        elif isinstance(r, ScrapeError):
+            errors[t.pod] = str(r)
+        else:
+            raise r  # a bug, not a pod problem
+    return ScrapeResult(Observation(samples=tuple(samples), failed=len(errors), not_ready=not_ready), errors)
+
+
+def pod_is_ready(pod: dict[str, Any]) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def split_pods(pods: Iterable[dict[str, Any]], port: int) -> tuple[list[Target], int]:
+    """Ready pods with an IP become scrape targets; the other live pods count as capacity on its way."""
+    targets, not_ready = [], 0
+    for pod in pods:
+        phase = pod.get("status", {}).get("phase")
+        if phase in ("Succeeded", "Failed") or pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        ip = pod.get("status", {}).get("podIP")
+        if pod_is_ready(pod) and ip:
+            host = f"[{ip}]" if ":" in ip else ip
+            annotations = pod.get("metadata", {}).get("annotations") or {}
+            raw_port = str(annotations.get(METRICS_PORT_ANNOTATION, port))  # the pod may say where it serves
+            pod_port = int(raw_port) if raw_port.isdigit() and 0 < int(raw_port) < 65536 else port
+            path = annotations.get(METRICS_PATH_ANNOTATION, "/metrics")
+            targets.append(Target(pod=pod["metadata"]["name"], url=f"http://{host}:{pod_port}{path}"))
+        else:
+            not_ready += 1
+    return targets, not_ready

@@ -1,0 +1,185 @@
+"""Test harness: the kmock Kubernetes emulator on 127.0.0.1, the operator in kopf's KopfRunner, and small
+aiohttp servers on 127.0.0.x that play the daemons' /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import aiohttp.web
+import kmock
+import yaml
+from kopf.testing import KopfRunner
+
+CR_PATH = "/apis/kvpilot.io/v1alpha1/namespaces/{ns}/inferencedeployments"
+RESOURCES = {
+    "kvpilot.io/v1alpha1/inferencedeployments": dict(
+        kind="InferenceDeployment", singular="inferencedeployment", namespaced=True, shortnames=["infd"],
+        verbs=["list", "watch", "get", "patch", "create", "delete"], subresources=["status", "scale"]),
+    "apps/v1/deployments": dict(kind="Deployment", singular="deployment", namespaced=True,
+                                verbs=["list", "watch", "get", "patch", "create", "delete"]),
+    "v1/services": dict(kind="Service", singular="service", namespaced=True,
+                        verbs=["list", "watch", "get", "patch", "create", "delete"]),
+    "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", singular="poddisruptionbudget",
+                                           namespaced=True, verbs=["get", "patch", "create", "delete"]),
+    "v1/pods": dict(kind="Pod", singular="pod", namespaced=True, verbs=["list", "get", "watch"]),
+    # kopf waits for these to be discoverable (its "backbone"), even cluster-wide.
+    "v1/namespaces": dict(kind="Namespace", singular="namespace", namespaced=False, verbs=["get"]),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
+        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
+        verbs=["list", "watch"]),
+    "v1/events": dict(kind="Event", singular="event", namespaced=True, verbs=["create", "list"]),
+}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """HTTP access to the emulator, as a user or a controller would do it."""
+
+    def __init__(self, emulator: kmock.KubernetesEmulator, url: str, session: aiohttp.ClientSession) -> None:
+        self.emulator = emulator
+        self.url = url.rstrip("/")
+        self.session = session
+
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        async with self.session.request(method, self.url + path, json=body) as resp:
+            text = await resp.text()
+            assert resp.status < 400, f"{method} {path}: {resp.status} {text[:300]}"
+            return await resp.json() if text else None
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        async with self.session.get(self.url + path) as resp:
+            return await resp.json() if resp.status == 200 else None
+
+    async def items(self, path: str) -> list[dict[str, Any]]:
+        return (await self.call("GET", path))["items"]
+
+    async def create_cr(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("POST", CR_PATH.format(ns=ns), body)
+
+    async def patch_cr(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.call("PATCH", f"{CR_PATH.format(ns=ns)}/{name}", body)
+
+    async def cr(self, ns: str, name: str) -> dict[str, Any] | None:
+        return await self.get(f"{CR_PATH.format(ns=ns)}/{name}")
+
+    async def deployment(self, ns: str, name: str) -> dict[str, Any] | None:
+        return await self.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}")
+
+    async def add_pod(self, ns: str, name: str, owner: str, ip: str, port: int, ready: bool) -> None:
+        await self.call("POST", f"/api/v1/namespaces/{ns}/pods", {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns,
+                         "labels": {"app.kubernetes.io/name": "kvpilot-daemon", "kvpilot.io/inferencedeployment": owner},
+                         "annotations": {"kvpilot.io/metrics-port": str(port)}},
+            "status": pod_status(ip, ready),
+        })
+
+    async def set_pod_ready(self, ns: str, name: str, ip: str, ready: bool) -> None:
+        await self.call("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}", {"status": pod_status(ip, ready)})
+
+
+def pod_status(ip: str, ready: bool) -> dict[str, Any]:
+    return {"phase": "Running", "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0, interval: float = 0.2,
+                     what: str = "condition") -> Any:
+    """Poll an async check until it returns a truthy value; fail with the last value otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
+
+
+@contextlib.asynccontextmanager
+async def cluster(tmp_path: Any) -> AsyncIterator[Cluster]:
+    emulator = kmock.KubernetesEmulator()
+    for key, info in RESOURCES.items():
+        emulator.resources[key] = info
+    async with emulator, kmock.Server(emulator) as server, aiohttp.ClientSession() as session:
+        yield Cluster(emulator, str(server.url), session)
+
+
+def write_kubeconfig(path: Any, url: str) -> str:
+    cfg = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
+        "users": [{"name": "kmock", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+    }
+    file = path / "kubeconfig"
+    file.write_text(yaml.safe_dump(cfg))
+    return str(file)
+
+
+@contextlib.contextmanager
+def operator(monkeypatch: Any, tmp_path: Any, url: str, metrics_port: int = 0):
+    """The real operator (kvpilot.operator.handlers) in kopf's runner thread, cluster-wide and standalone."""
+    monkeypatch.setenv("KUBECONFIG", write_kubeconfig(tmp_path, url))
+    monkeypatch.setenv("KVPILOT_OPERATOR_METRICS_PORT", str(metrics_port))
+    monkeypatch.setenv("KVPILOT_OPERATOR_METRICS_HOST", "127.0.0.1")
+    monkeypatch.setenv("KVPILOT_SCRAPE_TIMEOUT", "0.5")
+    args = ["run", "-A", "--standalone", "-m", "kvpilot.operator.handlers"]
+    with KopfRunner(args, timeout=30) as runner:
+        yield runner
+
+
+class MetricsServer:
+    """Plays one daemon's /metrics with values the test controls."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.port = 0
+        self.kv = 0.0
+        self.waiting = 0.0
+        self.running = 0.0
+        self.fail = False
+        self.hits = 0
+        self._runner: aiohttp.web.AppRunner | None = None
+
+    async def _metrics(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        self.hits += 1
+        if self.fail:
+            return aiohttp.web.Response(status=500, text="engine dead")
+        text = (
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {self.kv}\n'
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="m"}} {self.waiting}\n'
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="m"}} {self.running}\n'
+        )
+        return aiohttp.web.Response(text=text, content_type="text/plain")
+
+    async def __aenter__(self) -> MetricsServer:
+        app = aiohttp.web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = aiohttp.web.AppRunner(app)
+        await self._runner.setup()
+        site = aiohttp.web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()

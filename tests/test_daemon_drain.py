@@ -1,0 +1,85 @@
+"""SIGTERM drain on a real subprocess: /ready goes 503, new work gets 503, in-flight work finishes, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import aiohttp
+import pytest
+from kvpilot.daemon.testing import DaemonProcess
+
+pytestmark = pytest.mark.slow
+
+
+async def stream(s: aiohttp.ClientSession, url: str, max_tokens: int, started: asyncio.Event | None = None):
+    body = {"prompt": "Tell me a story about a lighthouse keeper.", "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    events = []
+    async with s.post(url, json=body) as r:
+        assert r.status == 200
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+                if started is not None:
+                    started.set()
+    return events
+
+
+def finish_reasons(events) -> list[str]:
+    return [e["choices"][0]["finish_reason"] for e in events if isinstance(e, dict) and e["choices"]
+            and e["choices"][0]["finish_reason"]]
+
+
+async def test_sigterm_lets_inflight_streams_finish_then_exits_0():
+    d = DaemonProcess("--max-num-seqs", "8", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "60").start()
+    try:
+        url = d.url("/v1/completions")
+        async with aiohttp.ClientSession() as s:
+            starts = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.create_task(stream(s, url, 40, ev)) for ev in starts]
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in starts)), 60)
+            t0 = time.monotonic()
+            d.signal(signal.SIGTERM)
+            # while draining: not ready, and new requests are refused with an OpenAI error body
+            deadline = time.monotonic() + 5
+            while d.get("/ready")[0] != 503:
+                assert time.monotonic() < deadline, "/ready never went 503"
+                await asyncio.sleep(0.02)
+            async with s.post(url, json={"prompt": "late", "max_tokens": 2}) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["code"] == "draining"
+            assert d.get("/health")[0] == 200
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        for events in results:
+            assert events[-1] == "[DONE]"
+            assert events[-2]["usage"]["completion_tokens"] == 40
+            assert finish_reasons(events) == ["length"]
+        code = await asyncio.to_thread(d.wait, 30)
+        assert code == 0, d.logs()[-3000:]
+        assert time.monotonic() - t0 < 60
+    finally:
+        d.stop()
+
+
+async def test_shutdown_timeout_aborts_the_rest_and_still_exits_0():
+    d = DaemonProcess("--max-num-seqs", "4", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "1").start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            started = asyncio.Event()
+            task = asyncio.create_task(stream(s, d.url("/v1/completions"), 1000, started))
+            await asyncio.wait_for(started.wait(), 60)
+            t0 = time.monotonic()
+            d.signal(signal.SIGTERM)
+            events = await asyncio.wait_for(task, 30)
+        code = await asyncio.to_thread(d.wait, 30)
+        elapsed = time.monotonic() - t0
+        assert code == 0, d.logs()[-3000:]
+        assert elapsed < 15, elapsed
+        assert finish_reasons(events) == ["abort"] and events[-1] == "[DONE]"
+        assert 0 < events[-2]["usage"]["completion_tokens"] < 1000
+    finally:
+        d.stop()

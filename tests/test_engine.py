@@ -1,0 +1,190 @@
+"""Engine behaviour on the real model: sampling, sharing, prefix caching, bad input, abort, priority."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.daemon.engine import LLM, BeamSearchParams, EngineConfig, SamplingParams
+from kvpilot.daemon.engine.llm_engine import LLMEngine
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="builtin://smollm2-135m", num_kv_blocks=256)
+
+
+def _all_free(llm: LLM) -> bool:
+    stats = llm.engine.get_stats()
+    return stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_generate_text_and_token_prompts(llm):
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    text = outs[0].outputs[0].text
+    assert "Paris" in text
+    ids = outs[0].prompt_token_ids
+    again = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert again[0].outputs[0].finish_reason == "length"
+    assert _all_free(llm)
+
+
+def test_one_params_per_prompt(llm):
+    outs = llm.generate(
+        ["Hello", "Count: one, two,"],
+        [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)],
+        use_tqdm=False,
+    )
+    assert len(outs[0].outputs[0].token_ids) <= 3
+    assert len(outs[1].outputs[0].token_ids) == 7
+
+
+def test_seed_reproducible_alone_and_in_batch_of_16(llm):
+    prompt = "Write a short poem about the sea:"
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True) for _ in range(15)]
+    batch_prompts = [f"Story number {i}:" for i in range(15)]
+    batch = llm.generate(batch_prompts[:7] + [prompt] + batch_prompts[7:], others[:7] + [seeded] + others[7:],
+                         use_tqdm=False)
+    assert batch[7].outputs[0].token_ids == alone
+    different_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
+    assert llm.generate([prompt], different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_n4_shares_prompt_blocks(llm):
+    engine: LLMEngine = llm.engine
+    prompt_ids = list(range(1000, 1000 + 3 * BS + 5))  # 3 full blocks + a partial one
+    engine.add_request("share", prompt_ids, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8,
+                                                           ignore_eos=True))
+    engine.step()  # prefill + first token of 4 forked sequences
+    seqs = [f"share#{i}" for i in range(1, 4)] + ["share"]
+    tables = [engine.kv.block_ids(s) for s in seqs]
+    assert all(t[:3] == tables[0][:3] for t in tables), "the prompt's full blocks are shared"
+    # 4 sequences, but only the 4 prompt blocks are held so far (copy-on-write has not happened yet).
+    assert engine.kv.stats().num_used_blocks == 4
+    engine.step()  # each sequence writes its own token: the shared partial block is copied 3 times
+    assert engine.kv.stats().num_used_blocks == 3 + 4
+    outputs = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs = out
+    assert outputs is not None and outputs.finished and len(outputs.outputs) == 4
+    assert len({tuple(o.token_ids) for o in outputs.outputs}) > 1, "4 samples should not all be identical"
+    assert _all_free(llm)
+
+
+def test_repeated_prompt_hits_prefix_cache(llm):
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    prompt_ids = list(range(2000, 2000 + 5 * BS + 3))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)
+    hits_before = engine.get_stats().prefix_cache_hits_total
+    out = llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0]
+    expected = (len(prompt_ids) - 1) // BS
+    assert out.num_cached_tokens == expected * BS
+    assert engine.get_stats().prefix_cache_hits_total - hits_before == expected * BS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
+)
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_too_long_is_rejected_and_leaks_nothing(llm):
+    too_long = [5] * (llm.engine.max_model_len + 10)
+    with pytest.raises(ValueError, match="too long"):
+        llm.generate({"prompt_token_ids": too_long}, SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=llm.engine.max_model_len),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": [-3]}, SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert _all_free(llm)
+
+
+def test_unknown_model_uri():
+    with pytest.raises(ValueError, match="nope://"):
+        LLMEngine(EngineConfig(model="nope://whatever"))
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="random")
+
+
+def test_abort_frees_everything(llm):
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"ab{i}", f"Tell me about topic {i}.", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.get_stats().num_running == 4
+    engine.abort_request([f"ab{i}" for i in range(4)])
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    assert _all_free(llm)
+
+
+def test_stop_string_and_stop_token(llm):
+    base = llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert " 5" in base.text
+    stopped = llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=20, stop=[" 5"]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == " 5"
+    assert stopped.text == base.text[: base.text.index(" 5")]
+    stop_tok = base.token_ids[2]
+    by_token = llm.generate(["Count: 1, 2, 3,"], SamplingParams(temperature=0, max_tokens=20,
+                                                                 stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert by_token.outputs[0].token_ids == base.token_ids[:3]
+    assert by_token.outputs[0].stop_reason == stop_tok
+
+
+def test_min_tokens_holds_back_eos(llm):
+    out = llm.generate(["Say hi."], SamplingParams(temperature=0, max_tokens=40, min_tokens=30),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 30
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_priority_policy_runs_important_first():
+    llm = LLM(model="builtin://smollm2-135m", scheduling_policy="priority", max_num_seqs=1, num_kv_blocks=64)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("low", "a", params, priority=5)
+    engine.add_request("high", "b", params, priority=-1)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "low"]
+
+
+def test_beam_search_returns_ranked_beams(llm):
+    out = llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=3, max_tokens=6))[0]
+    assert len(out.sequences) == 3
+    scores = [s.cum_logprob / len(s.generated) for s in out.sequences]
+    assert scores == sorted(scores, reverse=True)
+    greedy = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=6),
+                          use_tqdm=False)[0].outputs[0]
+    # The best beam is at least as likely as the greedy path.
+    assert out.sequences[0].cum_logprob >= greedy.cumulative_logprob - 1e-3 or len(out.sequences[0].generated) < 6
+    assert _all_free(llm)

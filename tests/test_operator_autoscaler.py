@@ -1,0 +1,173 @@
+"""Table-driven tests of the autoscaling policy, with simulated time (no sleeps, no I/O)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+from kvpilot.operator.autoscaler import Autoscaler, Decision, Observation, PodSample, Policy
+
+
+def obs(*kv: float, waiting: float = 0.0, failed: int = 0, not_ready: int = 0) -> Observation:
+    return Observation(samples=tuple(PodSample(k, waiting) for k in kv), failed=failed, not_ready=not_ready)
+
+
+def simulate(policy: Policy, load: Callable[[float], float], until: float, interval: float = 10.0,
+             start: int = 1, ready_after: float = 0.0,
+             failing: Callable[[float], bool] = lambda t: False) -> list[tuple[float, int, Decision]]:
+    """A tiny cluster: `load(t)` is the KV demand in whole-pod units; each Ready pod holds an equal share,
+    at most 1.0. New pods become Ready `ready_after` seconds after the scale-up that made them."""
+    scaler = Autoscaler(policy)
+    pods: list[float] = [-1e9] * start  # the time each pod becomes Ready
+    trace = []
+    t = 0.0
+    while t <= until:
+        ready = [p for p in pods if p <= t]
+        share = min(1.0, load(t) / len(ready)) if ready else 0.0
+        # Demand beyond the Ready pods' KV capacity queues up: 8 waiting requests per missing pod.
+        waiting = max(0.0, load(t) - len(ready)) * 8 / len(ready) if ready else 0.0
+        o = Observation(failed=len(ready), not_ready=len(pods) - len(ready)) if failing(t) else \
+            Observation(samples=tuple(PodSample(share, waiting) for _ in ready), not_ready=len(pods) - len(ready))
+        d = scaler.decide(t, len(pods), o)
+        if d.desired > len(pods):
+            pods += [t + ready_after] * (d.desired - len(pods))
+        elif d.desired < len(pods):
+            pods = sorted(pods)[: d.desired]
+        trace.append((t, len(pods), d))
+        t += interval
+    return trace
+
+
+def replicas(trace) -> list[int]:
+    return [r for _, r, _ in trace]
+
+
+POLICY = Policy(min_replicas=1, max_replicas=10, target_kv_cache_usage=0.7, target_waiting_requests=4,
+                stable_window=60, panic_window=10, scale_down_delay=120)
+
+
+def test_ramp_up_follows_load_without_overshoot():
+    trace = simulate(POLICY, lambda t: 0.5 + 4.5 * min(t, 600) / 600, until=900)
+    rs = replicas(trace)
+    assert rs == sorted(rs), "a ramp-up never scales down"
+    assert rs[-1] == math.ceil(5.0 / 0.7)  # 8
+    for t, r, _ in trace:
+        assert r <= math.ceil((0.5 + 4.5 * min(t, 600) / 600) / 0.7) + 1, f"overshoot at t={t}: {r}"
+
+
+def test_burst_triggers_panic_and_panic_never_scales_down():
+    burst = lambda t: 0.5 if t < 200 else (6.0 if t < 260 else 0.3)  # noqa: E731
+    trace = simulate(POLICY, burst, until=600)
+    by_t = {t: (r, d) for t, r, d in trace}
+    assert by_t[190][0] == 1
+    # The first tick of the burst panics and at least doubles at once.
+    r, d = by_t[200]
+    assert d.panic and d.reason == "Panic" and r >= 2
+    assert by_t[230][0] >= 8  # queued requests and x2 steps catch 6.0/0.7 -> 9 within three ticks
+    # While the panic lasts (stable window after the last trigger), replicas never go down.
+    in_panic = [(t, r) for t, r, d in trace if d.panic]
+    assert [r for _, r in in_panic] == sorted(r for _, r in in_panic)
+    assert replicas(trace)[-1] == 1  # long after the burst, back to the minimum
+
+
+def test_oscillating_load_does_not_flap():
+    wave = lambda t: 1.0 if (t // 30) % 2 == 0 else 2.5  # noqa: E731
+    trace = simulate(POLICY, wave, until=1800)
+    rs = replicas(trace)
+    downs = sum(1 for a, b in zip(rs, rs[1:], strict=False) if b < a)
+    assert downs <= 1, rs  # at most giving back the start-up overshoot
+    settled = {r for t, r, _ in trace if t >= 300}
+    assert settled == {math.ceil((1.0 + 2.5) / 2 / 0.7)}, rs  # sized for the mean, steady through the waves
+
+
+@pytest.mark.parametrize("observation, current, reason", [
+    (obs(failed=3), 3, "MetricsUnknown"),       # every scrape failed: unknown, not zero
+    (obs(), 3, "NoReadyPods"),                  # nothing to scrape yet
+    (obs(0.0, failed=2), 3, "MetricsPartial"),  # one pod idle, two unknown: no scale-down
+])
+def test_missing_data_never_scales_down(observation, current, reason):
+    p = Policy(min_replicas=1, max_replicas=10, scale_down_delay=0, stable_window=10, panic_window=5)
+    scaler = Autoscaler(p)
+    for t in range(0, 600, 10):
+        d = scaler.decide(float(t), current, observation)
+        assert d.desired == current and d.reason == reason, (t, d)
+
+
+def test_scrape_outage_blocks_later_scale_down_until_a_full_delay_of_data():
+    failing = lambda t: 300 <= t < 400  # noqa: E731
+    trace = simulate(POLICY, lambda t: 5.0 if t < 250 else 0.2, until=900, failing=failing)
+    by_t = {t: r for t, r, _ in trace}
+    assert all(by_t[t] == by_t[290] for t in range(300, 400, 10)), "changed replicas without data"
+    first_down_after = min(t for t, r, _ in trace if t >= 400 and r < by_t[390])
+    assert first_down_after >= 400 + POLICY.scale_down_delay
+
+
+def test_extrapolates_failed_pods_for_scale_up():
+    d = Autoscaler(POLICY).decide(0.0, 2, obs(1.0, failed=1))  # the answering pod is full: assume both are
+    assert d.kv_total == pytest.approx(2.0) and d.desired == 3
+
+
+@pytest.mark.parametrize("observation, current, expected", [
+    (obs(0.95), 1, 2),                   # one full pod wants 2
+    (obs(0.95, not_ready=1), 2, 2),      # ...and the second is loading: hold, do not add a third
+    (obs(0.95, 0.95, not_ready=1), 3, 3),
+    (obs(0.95, not_ready=3), 4, 4),
+])
+def test_loading_pods_count_as_capacity(observation, current, expected):
+    p = Policy(min_replicas=1, max_replicas=10, target_kv_cache_usage=0.7, panic_threshold=10)
+    assert Autoscaler(p).decide(0.0, current, observation).desired == expected
+
+
+def test_slow_model_loads_do_not_overscale():
+    # Pods take 5 minutes to load. Without counting them, every tick would add more.
+    trace = simulate(POLICY, lambda t: 0.9 if t < 100 else 3.0, until=1200, ready_after=300)
+    assert max(replicas(trace)) <= math.ceil(3.0 / 0.7) + 1
+
+
+@pytest.mark.parametrize("observation, current, policy, expected, reason", [
+    (obs(1.0, 1.0, 1.0, 1.0), 4, Policy(min_replicas=1, max_replicas=5), 5, "AtMaximum"),
+    (obs(0.0), 1, Policy(min_replicas=2, max_replicas=5), 2, "AtMinimum"),
+    (obs(0.5), 9, Policy(min_replicas=1, max_replicas=5), 5, "AtMaximum"),  # the user lowered max
+    (obs(failed=1), 1, Policy(min_replicas=3, max_replicas=5), 3, "MetricsUnknown"),
+])
+def test_min_max_clamps(observation, current, policy, expected, reason):
+    d = Autoscaler(policy).decide(0.0, current, observation)
+    assert (d.desired, d.reason if d.metrics_known else reason) == (expected, reason)
+
+
+@pytest.mark.parametrize("current, load, expected", [
+    (1, 10.0, 2),   # x2
+    (3, 30.0, 6),   # x2
+    (2, 2.0, 3),    # below x2: as wanted (1.0 each over 0.7 -> 3)
+])
+def test_scale_up_is_capped_per_step(current, load, expected):
+    p = Policy(min_replicas=1, max_replicas=100, target_kv_cache_usage=0.7, panic_threshold=10)
+    share = load / current
+    d = Autoscaler(p).decide(0.0, current, obs(*([share] * current)))
+    assert d.desired == expected
+
+
+@pytest.mark.parametrize("current, expected", [(8, 4), (5, 3), (2, 1)])
+def test_scale_down_is_capped_per_step_and_waits_for_the_delay(current, expected):
+    p = Policy(min_replicas=1, max_replicas=100, stable_window=10, panic_window=5, scale_down_delay=60)
+    scaler = Autoscaler(p)
+    for t in range(0, 60, 10):
+        d = scaler.decide(float(t), current, obs(*([0.0] * current)))
+        assert d.desired == current and d.reason == "ScaleDownDelayed"
+    d = scaler.decide(60.0, current, obs(*([0.0] * current)))
+    assert (d.desired, d.reason) == (expected, "ScaleDown")
+
+
+def test_waiting_requests_signal_and_float_targets():
+    p = Policy(min_replicas=1, max_replicas=100, target_kv_cache_usage=0.7, target_waiting_requests=4,
+               panic_threshold=10)
+    assert Autoscaler(p).decide(0.0, 2, obs(0.1, 0.1, waiting=6)).desired == 3  # 12 waiting / 4 = 3
+    assert Autoscaler(p).decide(0.0, 2, obs(0.7, 0.7)).desired == 2  # 1.4 / 0.7 is exactly 2, not 3
+
+
+def test_policy_from_defaulted_spec():
+    from kvpilot.operator import crd
+    a = crd.default_spec({"model": {"uri": "hf://o/m"}, "autoscaling": {"maxReplicas": 9}})["autoscaling"]
+    p = Policy.from_spec(a)
+    assert (p.min_replicas, p.max_replicas, p.target_kv_cache_usage, p.scale_down_delay) == (1, 9, 0.7, 300.0)

@@ -1,0 +1,100 @@
+"""Scraping the daemons' /metrics over real HTTP on 127.0.0.x, and parsing with prometheus_client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import aiohttp.web
+import pytest
+from kvpilot.operator.scrape import DEFAULT_NAMES, ScrapeError, Target, parse_metrics, scrape, split_pods
+from operator_support.harness import MetricsServer
+
+PAGE = """# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m"} 0.42
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 3
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 5
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{model_name="m"} 1000
+"""
+
+
+def test_parse_default_names():
+    s = parse_metrics(PAGE, DEFAULT_NAMES)
+    assert (s.kv_cache_usage, s.waiting, s.running) == (0.42, 3.0, 5.0)
+
+
+def test_renamed_metric_is_unknown_not_zero():
+    renamed = PAGE.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+    with pytest.raises(ScrapeError, match="vllm:kv_cache_usage_perc"):
+        parse_metrics(renamed, DEFAULT_NAMES)
+    names = {**DEFAULT_NAMES, "kvCacheUsage": "vllm:gpu_cache_usage_perc"}  # configurable per CR
+    assert parse_metrics(renamed, names).kv_cache_usage == 0.42
+
+
+def test_several_series_sum_waiting_and_take_the_fullest_cache():
+    page = PAGE + 'vllm:num_requests_waiting{model_name="n"} 2\nvllm:kv_cache_usage_perc{model_name="n"} 0.9\n'
+    s = parse_metrics(page, DEFAULT_NAMES)
+    assert (s.kv_cache_usage, s.waiting) == (0.9, 5.0)
+
+
+def pod(name, ip, ready=True, phase="Running", deleting=False, port=None):
+    meta = {"name": name, "annotations": {"kvpilot.io/metrics-port": str(port)} if port else {}}
+    if deleting:
+        meta["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+    return {"metadata": meta, "status": {"phase": phase, "podIP": ip,
+                                         "conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+def test_split_pods_ready_targets_and_capacity_on_its_way():
+    pods = [pod("a", "10.0.0.1"), pod("b", "10.0.0.2", ready=False), pod("c", None, ready=False),
+            pod("d", "10.0.0.4", phase="Failed"), pod("e", "10.0.0.5", deleting=True), pod("f", "fd00::1", port=9000)]
+    targets, not_ready = split_pods(pods, 8000)
+    assert [t.url for t in targets] == ["http://10.0.0.1:8000/metrics", "http://[fd00::1]:9000/metrics"]
+    assert not_ready == 2
+
+
+async def test_scrape_concurrently_with_failures_and_timeouts():
+    async def slow(request):
+        await asyncio.sleep(5)
+        return aiohttp.web.Response(text=PAGE)
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", slow)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.4", 0)
+    await site.start()
+    slow_port = site._server.sockets[0].getsockname()[1]
+    try:
+        async with MetricsServer("127.0.0.2") as ok, MetricsServer("127.0.0.3") as broken, \
+                aiohttp.ClientSession() as session:
+            ok.kv, ok.waiting = 0.5, 2
+            broken.fail = True
+            targets = [Target("ok", f"http://127.0.0.2:{ok.port}/metrics"),
+                       Target("broken", f"http://127.0.0.3:{broken.port}/metrics"),
+                       Target("slow", f"http://127.0.0.4:{slow_port}/metrics"),
+                       Target("closed", "http://127.0.0.5:9/metrics")]
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            result = await scrape(session, targets, not_ready=1, names=DEFAULT_NAMES, timeout=0.5)
+            assert loop.time() - started < 2.0  # concurrent, bounded by the timeout
+    finally:
+        await runner.cleanup()
+    o = result.observation
+    assert [s.kv_cache_usage for s in o.samples] == [0.5]
+    assert (o.failed, o.not_ready, o.ready) == (3, 1, 4)
+    assert set(result.errors) == {"broken", "slow", "closed"}
+    assert "HTTP 500" in result.errors["broken"]
+
+
+def test_main_parses_options():
+    from kvpilot.operator.__main__ import build_parser, default_priority
+    args = build_parser().parse_args(["-n", "a", "-n", "b", "--peering", "p", "--metrics-port", "0"])
+    assert (args.namespace, args.peering, args.metrics_port, args.all_namespaces) == (["a", "b"], "p", 0, False)
+    assert default_priority("op-1") != default_priority("op-2")
+    assert 1 <= default_priority("x") <= 10_000
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["-A", "-n", "a"])
