@@ -231,8 +231,9 @@ def main() -> int:
     prompt_range = tuple(int(x) for x in args.prompt_len.split(","))
     out_range = tuple(int(x) for x in args.output_len.split(","))
 
-    from kvpilot.daemon.engine.loader import resolve_model_path
     from transformers import AutoTokenizer
+
+    from kvpilot.daemon.engine.loader import resolve_model_path
 
     model_dir = str(resolve_model_path(MODEL))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -57,11 +57,11 @@ def _generate(ns: argparse.Namespace) -> int:
     from .engine import LLM  # torch and the model load only now
 
     llm = LLM(model=ns.model, **kwargs)
-    if ns.chat:
-        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                         add_generation_prompt=True)
     try:
-        outputs = llm.generate([prompt], params)
+        if ns.chat:
+            outputs = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+        else:
+            outputs = llm.generate([prompt], params, use_tqdm=False)
     except ValueError as exc:
         print(f"kvpilot generate: {exc}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from .args import ServeArgs
 from .async_engine import AsyncEngine
 from .metrics import CONTENT_TYPE, DaemonMetrics
 from .protocol import APIError
-from .serving import OpenAIServing
+from .serving import KV_LOG, KV_START, OpenAIServing
 
 log = logging.getLogger("kvpilot.daemon")
 request_log = logging.getLogger("kvpilot.daemon.requests")
@@ -57,8 +57,8 @@ def _state(request: web.Request) -> ServerState:
 @web.middleware
 async def errors_and_logs(request: web.Request, handler) -> web.StreamResponse:
     """Outermost: every failure becomes an OpenAI error body; every /v1 request gets one log line."""
-    request["kv_start"] = time.monotonic()
-    request["kvlog"] = {}
+    request[KV_START] = time.monotonic()
+    request[KV_LOG] = {}
     status = 500
     try:
         resp = await handler(request)
@@ -66,7 +66,7 @@ async def errors_and_logs(request: web.Request, handler) -> web.StreamResponse:
         return resp
     except APIError as err:
         status = err.status
-        request["kvlog"]["error"] = err.message
+        request[KV_LOG]["error"] = err.message
         return _error_response(err, close=_state(request).draining)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -78,19 +78,19 @@ async def errors_and_logs(request: web.Request, handler) -> web.StreamResponse:
         for h in ("Allow",):
             if h in exc.headers:
                 err.headers[h] = exc.headers[h]
-        request["kvlog"]["error"] = err.message
+        request[KV_LOG]["error"] = err.message
         return _error_response(err)
     except asyncio.CancelledError:
         status = 499  # client closed the connection
-        request["kvlog"].setdefault("outcome", "client_disconnected")
+        request[KV_LOG].setdefault("outcome", "client_disconnected")
         raise
     except ConnectionError:
         status = 499
-        request["kvlog"].setdefault("outcome", "client_disconnected")
+        request[KV_LOG].setdefault("outcome", "client_disconnected")
         raise
     except Exception as exc:  # noqa: BLE001 - a bug must not become a dropped connection
         log.exception("unhandled error in %s %s", request.method, request.path)
-        request["kvlog"]["error"] = f"{type(exc).__name__}: {exc}"
+        request[KV_LOG]["error"] = f"{type(exc).__name__}: {exc}"
         return _error_response(APIError("internal server error", status=500, type="internal_error",
                                          code="internal_error"))
     finally:
@@ -98,8 +98,8 @@ async def errors_and_logs(request: web.Request, handler) -> web.StreamResponse:
         if request.path.startswith("/v1/") and not st.args.disable_log_requests:
             fields: dict[str, Any] = {"event": "request", "method": request.method, "path": request.path,
                                       "status": status, "client": request.remote,
-                                      "latency_s": round(time.monotonic() - request["kv_start"], 4)}
-            fields.update(request["kvlog"])
+                                      "latency_s": round(time.monotonic() - request[KV_START], 4)}
+            fields.update(request[KV_LOG])
             request_log.info("request", extra={"fields": fields})
 
 

@@ -32,6 +32,11 @@ from .protocol import (
     parse_json_body,
 )
 
+# Per-request storage keys (typed keys where this aiohttp has them).
+_RequestKey = getattr(web, "RequestKey", None)
+KV_START: Any = _RequestKey("kv_start", float) if _RequestKey else "kv_start"
+KV_LOG: Any = _RequestKey("kv_log", dict) if _RequestKey else "kv_log"
+
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _seq = itertools.count()
 
@@ -199,7 +204,7 @@ class OpenAIServing:
             raise APIError(f"{len(subs)} prompts in one request exceed the queue limit "
                            f"({self.engine.max_queued_requests})", param="prompt", code="invalid_value")
         job = _Job(rid, subs, req.params.n, texts)
-        request["kvlog"].update(request_id=rid, stream=req.stream, n=req.params.n, prompts=len(subs))
+        request[KV_LOG].update(request_id=rid, stream=req.stream, n=req.params.n, prompts=len(subs))
         return await self._run(request, job, _CompletionFormat(self, job, req), req.stream, req.stream_options)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -219,7 +224,7 @@ class OpenAIServing:
         params = self._fit(ids, req.params, req.max_tokens_set, "messages")
         rid = self._request_id(request, "chatcmpl")
         job = _Job(rid, [EngineRequest(f"{rid}-{next(_seq)}-0", ids, params, req.priority)], req.params.n, [None])
-        request["kvlog"].update(request_id=rid, stream=req.stream, n=req.params.n)
+        request[KV_LOG].update(request_id=rid, stream=req.stream, n=req.params.n)
         return await self._run(request, job, _ChatFormat(self, job, req), req.stream, req.stream_options)
 
     # ---- the engine round trip ----------------------------------------------------------------------
@@ -227,7 +232,7 @@ class OpenAIServing:
     async def _run(self, request: web.Request, job: _Job, fmt: _Format, stream: bool,
                    so: StreamOptions) -> web.StreamResponse:
         sink: asyncio.Queue = asyncio.Queue()
-        log = request["kvlog"]
+        log = request[KV_LOG]
         self.engine.submit(job.subs, sink)
         try:
             first = await sink.get()
@@ -252,7 +257,7 @@ class OpenAIServing:
             log.update(prompt_tokens=job.prompt_tokens, completion_tokens=sum(job.completion_tokens.values()),
                        finish_reasons=job.finish_reasons())
             if job.first_token_time is not None:
-                log["ttft_s"] = round(job.first_token_time - request["kv_start"], 4)
+                log["ttft_s"] = round(job.first_token_time - request[KV_START], 4)
 
     def _apply(self, job: _Job, item: Any, fmt: _Format) -> list[dict[str, Any]]:
         """Fold one sink item into the job; returns the stream chunks it produces."""
@@ -314,7 +319,7 @@ class OpenAIServing:
         except _EngineDied as exc:
             err = APIError(f"the engine stopped: {exc}", status=503, type="service_unavailable_error",
                            code="engine_dead")
-            request["kvlog"]["outcome"] = "engine_dead"
+            request[KV_LOG]["outcome"] = "engine_dead"
             await resp.write(_sse(err.body()))
         if so.include_usage:
             await resp.write(_sse(fmt.usage_chunk()))

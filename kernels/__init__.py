@@ -4,6 +4,16 @@ The engine imports only from here. Triton runs when the tensors are on CUDA and 
 importable; the torch reference runs otherwise. ``KVPILOT_ATTENTION_BACKEND=triton|torch``
 forces one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``).
 Triton is optional: it is imported on first use only.
+
+Caller contract (both backends):
+- caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` and hold finite
+  values (allocate with ``torch.zeros``): the reference masks unused slots by score, and a NaN
+  left in a slot it gathers would still leak through ``0 * NaN``; Triton never reads them.
+- query/key/value may be strided views (e.g. slices of a fused qkv) with a contiguous last dim.
+- ``block_tables`` entries past a sequence's last block are never used; pad them with 0 or -1.
+- ``max_query_len``/``max_context_len`` must be upper bounds when given (on CUDA, pass them to
+  avoid a device sync). Rows of ``query`` past ``query_start_loc[-1]`` are left untouched.
+- ``copy_blocks`` pairs must not chain (no dst that is also a src in the same call).
 """
 
 from __future__ import annotations

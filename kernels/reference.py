@@ -54,7 +54,7 @@ def _attend_decode(
     n, num_heads, d = q.shape
     _, bs, kvh, _ = k_cache.shape
     g = num_heads // kvh
-    nb = (max_ctx + bs - 1) // bs
+    nb = min((max_ctx + bs - 1) // bs, block_tables.shape[1])  # the hint may be a loose bound
     first = 0
     if sliding_window is not None and sliding_window < max_ctx:
         # skip the leading blocks that fall outside every sequence's window

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvpilot.daemon.args import DEFAULT_MODEL, parse_serve_args, parse_size
 
 CLI = [sys.executable, "-m", "kvpilot.daemon.cli"]
@@ -101,13 +102,10 @@ def test_serve_exits_1_when_the_model_cannot_load(tmp_path):
 
 @pytest.mark.slow
 def test_generate_prints_greedy_text():
-    r = run_cli("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
-                "--kv-cache-memory", "64MiB", timeout=300)
+    r = run_cli("generate", "-", "--max-tokens", "6", "--kv-cache-memory", "64MiB", "--chat",
+                stdin="What is the capital of France?", timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip(), "generate printed nothing"
-    again = run_cli("generate", "-", "--max-tokens", "8", "--kv-cache-memory", "64MiB",
-                    stdin="The capital of France is", timeout=300)
-    assert again.returncode == 0 and again.stdout == r.stdout  # greedy by default: same text
 
 
 def test_generate_rejects_bad_sampling_values():

@@ -11,12 +11,14 @@ import threading
 import time
 
 import pytest
+import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
+
 from kvpilot.daemon.args import parse_serve_args
 from kvpilot.daemon.async_engine import AsyncEngine
 from kvpilot.daemon.server import build_app, server_state, start_engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 
 class FaultSwitch:
@@ -44,7 +46,7 @@ class FaultSwitch:
         return engine
 
 
-@pytest.fixture
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def app_client():
     args = parse_serve_args(["--max-num-seqs", "4", "--kv-cache-memory", "64MiB"], environ={})
     switch = FaultSwitch()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvpilot.daemon.protocol import (
     APIError,
     parse_chat_request,

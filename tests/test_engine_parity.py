@@ -97,7 +97,8 @@ CONFIGS = {
 def test_greedy_parity_with_hf(name, reference):
     kwargs = CONFIGS[name]
     llm = LLM(model="builtin://smollm2-135m", dtype="float32", **kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    # min_tokens masks EOS exactly as HF's min_new_tokens does, so both sides always produce 32 tokens.
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in reference], params, use_tqdm=False)
     _check_parity(outputs, reference)
     stats = llm.engine.get_stats()

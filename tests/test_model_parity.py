@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.loader import load_model, resolve_model_path
 from kvpilot.daemon.engine.runner import ModelRunner, SeqBatchEntry
@@ -18,7 +19,7 @@ from kvpilot.daemon.engine.runner import ModelRunner, SeqBatchEntry
 BLOCK = 16
 NUM_BLOCKS = 64
 DECODE_STEPS = 6
-ATOL = 2e-3  # float32 logits are O(10); fused matmuls and another attention order differ by ~1e-4
+ATOL = 5e-4  # float32 logits are O(10); fused matmuls and another attention order give ~6e-5
 
 PROMPTS = [
     "Hi",
@@ -57,10 +58,13 @@ def reference(native, hf_model):
         for text in PROMPTS:
             ids = list(tok(text)["input_ids"])
             n_prompt = len(ids)
+            # plain greedy with HF's own KV cache, no EOS stop: every step gets compared
+            step = hf_model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
             for _ in range(DECODE_STEPS):
-                logits = hf_model(torch.tensor([ids])).logits[0]
-                ids.append(int(logits[-1].argmax()))
+                ids.append(int(step.logits[0, -1].argmax()))
+                step = hf_model(torch.tensor([ids[-1:]]), cache=step.cache, use_cache=True)
             logits = hf_model(torch.tensor([ids[:-1]])).logits[0].float()
+            assert logits[n_prompt - 1 :].argmax(-1).tolist() == ids[n_prompt:]
             out.append((ids, n_prompt, logits))
     return out
 
@@ -146,7 +150,7 @@ def test_chunked_prefill_matches_one_shot(native, reference):
         assert out.shape[0] == (1 if b == n_prompt else 0)
         last = out
     assert last is not None
-    assert _close(last[0], one_shot) < 1e-3
+    assert _close(last[0], one_shot) < ATOL
     assert _close(last[0], ref[n_prompt - 1]) < ATOL
     assert int(last[0].argmax()) == int(one_shot.argmax()) == ids[n_prompt]
 
@@ -161,3 +165,62 @@ def test_wrong_block_table_is_detected(native, reference):
     bad = [table_b[0], *table_a[1:]]  # first block now holds sequence b's keys and values
     out = runner.execute([SeqBatchEntry([ids_a[n_a]], n_a, bad, True)])[0]
     assert _close(out, ref_a[n_a]) > 10 * ATOL
+
+
+# ------------------------------------------------------------------ other architectures and RoPE types
+# Tiny random models in the HF format: each exercises what SmolLM2 does not (q/k/v bias, sliding
+# window, RoPE scaling, an untied lm_head), loaded through the same local-folder source.
+
+TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def _tiny_configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    return {
+        "qwen2_bias": Qwen2Config(**TINY, tie_word_embeddings=True),
+        "mistral_window": MistralConfig(**TINY, sliding_window=8, tie_word_embeddings=False),
+        "llama3_rope": LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False),
+        "linear_rope_bias": LlamaConfig(
+            **TINY, attention_bias=True, mlp_bias=True, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                          "factor": 4.0}
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(_tiny_configs()))
+def test_tiny_architectures_match_hf(name, tmp_path, native):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf_cfg = _tiny_configs()[name]
+    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF zero-inits biases; random ones make the bias paths count
+        for n, p in hf.named_parameters():
+            if n.endswith(".bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path)
+    native[0].tokenizer.save_pretrained(tmp_path)  # any tokenizer does: the test feeds ids
+
+    cfg = EngineConfig(model=str(tmp_path), dtype="float32", num_kv_blocks=16, block_size=8)
+    loaded = load_model(cfg)
+    runner = ModelRunner(cfg, loaded)
+    runner.init_kv_cache(runner.num_blocks_for_budget())
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in (5, 21, 40)]
+    with torch.inference_mode():
+        ref = [hf(torch.tensor([s])).logits[0] for s in seqs]
+    tables = [[15 - j for j in range(6)], [0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    prompt = [len(s) - 3 for s in seqs]  # prefill all but 3 tokens, then decode them one at a time
+    out = runner.execute([SeqBatchEntry(s[:p], 0, t, True) for s, p, t in zip(seqs, prompt, tables, strict=True)])
+    for i in range(3):
+        worst = max(_close(out[j], ref[j][prompt[j] - 1 + i]) for j in range(3))
+        assert worst < 1e-4, f"{name}: step {i}: max |logit diff| {worst:.2e}"
+        out = runner.execute(
+            [SeqBatchEntry([s[p + i]], p + i, t, True) for s, p, t in zip(seqs, prompt, tables, strict=True)]
+        )
+    worst = max(_close(out[j], ref[j][-1]) for j in range(3))
+    assert worst < 1e-4, f"{name}: last step: max |logit diff| {worst:.2e}"

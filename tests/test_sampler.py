@@ -124,12 +124,13 @@ def run_seeded(cfg: dict, seed: int, steps: int, batched: bool) -> list[int]:
     others = [state(p, prompt=[5, 6, 7]) for p in other_rows(0)]
     out = []
     for step in range(steps):
-        mine = random_logits(1, seed=10_000 + step)  # the same logits for this row in both runs
+        # The same logits for this row in both runs, rounded to bf16 like a bf16 model's: many ties.
+        mine = random_logits(1, seed=10_000 + step).bfloat16().float()
         if not batched:
             res = sampler(mine, [me])[0]
         else:
             pos = step % 16
-            rows = random_logits(15, seed=20_000 + step)
+            rows = random_logits(15, seed=20_000 + step).bfloat16().float()
             logits = torch.cat([rows[:pos], mine, rows[pos:]])
             shuffled = other_rows(step)
             for o, p in zip(others, shuffled, strict=True):

@@ -298,7 +298,6 @@ class LLMEngine:
 
     def _append_token(self, group: _Group, seq: _Sequence, result: SampleResult, now: float) -> None:
         req = seq.request
-        params = req.sampling_params
         token = result.token_id
         req.append_output_token(token)
         self.generation_tokens_total += 1

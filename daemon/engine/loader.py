@@ -167,9 +167,15 @@ def _cached_gguf_conversion(uri: str, gguf_path: Path, name: str, key: str) -> P
     final = root / f"{name}-{digest}"
     if _is_complete(final):
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f".{final.name}.lock", "w")  # noqa: SIM115 - closed by the with below
+    except OSError as e:
+        raise ValueError(
+            f"model {uri!r}: cannot write the conversion cache {str(root)!r} ({e}); set KVPILOT_CACHE_DIR"
+        ) from e
     # one converter at a time per model; the others wait here and then find the finished folder
-    with open(root / f".{final.name}.lock", "w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _is_complete(final):
             return final
@@ -179,7 +185,12 @@ def _cached_gguf_conversion(uri: str, gguf_path: Path, name: str, key: str) -> P
         try:
             t0 = time.perf_counter()
             logger.info("converting %s to safetensors (once) into %s", gguf_path, final)
-            _convert_gguf(uri, gguf_path, tmp)
+            try:
+                _convert_gguf(uri, gguf_path, tmp)
+            except ValueError:
+                raise
+            except Exception as e:  # a corrupt or unusual file fails deep inside gguf/transformers
+                raise ValueError(f"model {uri!r}: cannot convert {str(gguf_path)!r}: {e}") from e
             if final.exists():  # an incomplete folder from an older layout
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -388,7 +399,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ValueError(f"model {uri!r}: cannot load a tokenizer from {str(path)!r}: {e}") from e
 
     model = model_cls(hf_config, max_model_len=max_model_len, dtype=dtype, device=device)
     try:

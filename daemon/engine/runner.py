@@ -10,10 +10,12 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from kvpilot import kernels
 
 from .config import EngineConfig
@@ -36,7 +38,8 @@ class SeqBatchEntry:
 
 def _configure_cpu_threads() -> None:
     """Use every CPU this process may run on (torch's default counts physical cores only);
-    ``KVPILOT_NUM_THREADS`` overrides."""
+    ``KVPILOT_NUM_THREADS`` overrides. With OpenMP the setting belongs to the calling thread, so the
+    runner applies it in whichever thread runs the model."""
     env = os.environ.get("KVPILOT_NUM_THREADS")
     try:
         n = int(env) if env else len(os.sched_getaffinity(0))
@@ -64,8 +67,13 @@ class ModelRunner:
         self.cpu_v_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.num_cpu_blocks = 0
-        if self.device.type == "cpu":
+        self._threads_set_for: int | None = None  # thread whose intra-op pool we sized
+        self._ensure_threads()
+
+    def _ensure_threads(self) -> None:
+        if self.device.type == "cpu" and self._threads_set_for != threading.get_ident():
             _configure_cpu_threads()
+            self._threads_set_for = threading.get_ident()
 
     # ------------------------------------------------------------------ memory
 
@@ -201,6 +209,8 @@ class ModelRunner:
             raise ValueError("every entry needs at least one token and start_pos >= 0")
         total = int(q_lens.sum())
         ids = np.fromiter(itertools.chain.from_iterable(e.token_ids for e in entries), dtype=np.int64, count=total)
+        if ids.min() < 0 or ids.max() >= self.vocab_size:  # on CUDA a bad id is an unrecoverable device assert
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         ctx = starts + q_lens
@@ -252,6 +262,7 @@ class ModelRunner:
             raise RuntimeError("init_kv_cache must run before execute")
         if not entries:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        self._ensure_threads()
         input_ids, positions, meta, rows = self._prepare(entries)
         hidden = self.model(input_ids, positions, meta)
         if rows.size == 0:

@@ -9,8 +9,13 @@ Order of operations (vLLM's):
   2. logprobs are taken here: log_softmax of these processed logits, before temperature and
      before any truncation. `rank` and `top_logprobs` use the same distribution.
   3. greedy rows (temperature < 1e-5) take the argmax.
-  4. random rows: divide by temperature, drop tokens below the top_k-th logit and below
-     min_p * max_prob, then top_p, then draw one token.
+  4. random rows: divide by temperature, keep the top_k best tokens (ties at the k-th place are
+     cut by torch.topk's order), drop tokens with prob < min_p * max_prob, then top_p over what is
+     left (renormalized), then draw one token.
+
+Rows with top_k work on their k best logits only (one topk call per distinct k in the batch, so a
+row's candidates never depend on its neighbours); top_p there is an exact cumulative sum over the
+sorted candidates. Rows without top_k work on the whole vocabulary, as below.
 
 Drawing. Each random row needs a single uniform number u in [0, 1), taken from the row's own
 generator when it has one (seeded requests), else from torch's global CPU generator. The token is
@@ -19,7 +24,7 @@ else is in the batch, and the work is one cumulative sum per row, not one random
 entry.
 
 top_p without sorting. A full sort of 256 x 49152 floats costs seconds on a small CPU, so top_p is
-applied by rejection: draw a token j from the (top_k / min_p truncated) distribution; j lies in the
+applied by rejection: draw a token j from the (min_p truncated) distribution; j lies in the
 nucleus iff the mass of tokens strictly more likely than j is below top_p. If not, drop every token
 not more likely than j and draw again from what is left (still a superset of the nucleus, so the
 accepted token follows the nucleus distribution exactly). Tokens tied with the boundary token are
@@ -72,8 +77,9 @@ class SampleResult:
 
 
 class Sampler:
-    """Samples one token per row. Keeps scratch buffers between calls: reusing them avoids the
-    page faults of fresh multi-megabyte allocations, which dominate on small CPUs."""
+    """Samples one token per row. Not thread-safe: it keeps up to four [rows, vocab] float32
+    scratch buffers between calls ("proc", "exp", "x", "scratch"; 50 MB each at 256 x 49152),
+    because fresh multi-megabyte allocations cost page faults that dominate on small CPUs."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -123,7 +129,7 @@ class Sampler:
         if lp_rows:
             k = max(params[i].logprobs for i in lp_rows)
             l_idx = torch.tensor(lp_rows, device=device)
-            vals, ids = self._rows(proc, l_idx, "sel").topk(min(k, vocab), dim=-1)
+            vals, ids = self._rows(proc, l_idx, "x").topk(min(k, vocab), dim=-1)
             vals = (vals - lse[l_idx][:, None]).tolist()
             ids = ids.tolist()
             for j, i in enumerate(lp_rows):
@@ -212,7 +218,7 @@ class Sampler:
                 buckets.setdefault(params[j].top_k, []).append(j)
             for rows in buckets.values():
                 pos = torch.tensor(rows, device=device)
-                chosen[pos] = _sample_top_k(self._rows(proc, r_idx[pos], "sel"), [params[j] for j in rows], u[pos])
+                chosen[pos] = _sample_top_k(self._rows(proc, r_idx[pos], "x"), [params[j] for j in rows], u[pos])
         if f_rows:
             pos = torch.tensor(f_rows, device=device)
             chosen[pos] = self._sample_full(
@@ -256,7 +262,7 @@ class Sampler:
                 weights.mul_(keep)
             total = weights.sum(dim=-1)
 
-        chosen = _inverse_cdf(weights, u, self._buffer("cdf", m, vocab, device))
+        chosen = _inverse_cdf(weights, u, self._buffer("scratch", m, vocab, device))
 
         # top_p by rejection (see the module docstring).
         pending = [j for j, p in enumerate(params) if p.top_p < 1.0]

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kvpilot import kernels
 from torch import nn
+
+from kvpilot import kernels
 
 from .base import AttentionMetadata
 

@@ -1,0 +1,492 @@
+"""A node agent: the parts of Kubernetes the emulator lacks, acted out on one machine.
+
+- ReplicaSet controller: keeps as many Pod objects as each Deployment's spec.replicas (deleting not-ready,
+  then the newest pods first) and writes the Deployment's status.
+- kubelet: runs each pod's container as a real process (`kvpilot serve` with the pod's args) on the pod's
+  own loopback address, 127.0.0.2, 127.0.0.3, ...; probes /ready and /health and writes podIP and the Ready
+  condition; restarts a container that dies (restartCount, lastState); on deletion runs the preStop hook,
+  sends SIGTERM, waits up to terminationGracePeriodSeconds, then SIGKILL, and only then lets the Pod go.
+
+Pods carry a finalizer of ours, so a DELETE only marks them (deletionTimestamp) until the process is gone,
+as graceful deletion does on a cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from . import procs
+from .cluster import Kube, condition, deployments, now_iso, pod_ready, pods, terminating
+
+log = logging.getLogger("e2e.agent")
+
+FINALIZER = "e2e.kvpilot.io/kubelet"
+NODE_NAME = "loopback-node"
+RESTART_BACKOFF = 1.0  # seconds before a crashed container starts again (a kubelet starts at 10 s)
+PROBE_PERIOD = 1.0  # the pod asks for 5-10 s; probing faster keeps the runs short
+EXIT_CHECK_PERIOD = 0.25  # how soon a dead process is noticed (a kubelet's PLEG relists every second)
+
+
+@dataclass(frozen=True)
+class Probe:
+    path: str
+    timeout: float
+    failures: int
+
+
+def _probe(ctr: dict[str, Any], key: str, default_path: str) -> Probe:
+    p = ctr.get(key) or {}
+    return Probe(path=(p.get("httpGet") or {}).get("path", default_path), timeout=float(p.get("timeoutSeconds", 1)),
+                 failures=int(p.get("failureThreshold", 3)))
+
+
+@dataclass
+class Event:
+    """Something the agent did or saw, for the test's timeline."""
+
+    t: float
+    pod: str
+    what: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Container:
+    pod: str
+    ip: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    grace: float
+    pre_stop: list[str] | None
+    readiness: Probe
+    liveness: Probe
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    ready: bool = False
+    was_ready: bool = False
+    started_at: float = 0.0
+    ready_at: float | None = None
+    crashed_at: float | None = None
+    restart_at: float | None = None
+    last_exit: int | None = None
+    ready_failures: int = 0
+    health_failures: int = 0
+    probe_task: asyncio.Task | None = None
+    terminating: bool = False
+    term_task: asyncio.Task | None = None
+    sigterm_at: float | None = None
+    deleted_at: float | None = None
+    exit_code: int | None = None
+    gone: bool = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+
+def _template_hash(template: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _port_free(ip: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError:
+            return False
+    return True
+
+
+def _cpu_threads(container: dict[str, Any]) -> int:
+    """Threads for torch from the container's CPU limit, as a cgroup quota would allow."""
+    raw = str(((container.get("resources") or {}).get("limits") or {}).get("cpu", "1"))
+    cpus = float(raw[:-1]) / 1000 if raw.endswith("m") else float(raw)
+    return max(1, min(math.ceil(cpus), os.cpu_count() or 1))
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion in args."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+
+class NodeAgent:
+    def __init__(self, kube: Kube, namespace: str, workdir: Path, clock: Any = time.monotonic,
+                 node_env: dict[str, str] | None = None, period: float = 0.5) -> None:
+        self.kube = kube
+        self.ns = namespace
+        self.workdir = workdir
+        self.clock = clock
+        self.period = period
+        self.node_env = node_env or {}
+        self.containers: dict[str, Container] = {}
+        self.events: list[Event] = []
+        self._http: aiohttp.ClientSession | None = None
+        self._ip_counter = 2
+        self._bin = Path(sys.executable).parent
+        self._dep_status: dict[str, dict[str, Any]] = {}
+        self._created: dict[str, int] = {}  # pod -> creation order, for "youngest first"
+        self.errors: list[str] = []
+
+    # ------------------------------------------------------------------ main loop
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._http = aiohttp.ClientSession()
+        try:
+            while not stop.is_set():
+                try:
+                    await self.sync()
+                except Exception as e:  # noqa: BLE001 - one bad pass must not stop the node
+                    self.errors.append(f"{type(e).__name__}: {e}")
+                    log.exception("agent sync failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.period)
+        finally:
+            await self.shutdown()
+            await self._http.close()
+
+    async def sync(self) -> None:
+        deps = await self.kube.list(deployments(self.ns))
+        pod_list = await self.kube.list(pods(self.ns))
+        for dep in deps:
+            pod_list = await self._sync_replicas(dep, pod_list)
+        by_name = {p["metadata"]["name"]: p for p in pod_list}
+        await asyncio.gather(*(self._sync_pod(p) for p in pod_list if FINALIZER in
+                               (p["metadata"].get("finalizers") or [])))
+        for name, c in list(self.containers.items()):
+            if name not in by_name and not c.terminating:  # deleted behind our back: no grace
+                self._record(name, "vanished")
+                c.terminating = True
+                c.term_task = asyncio.create_task(self._terminate(c, grace=0.0, finalize=False))
+        for dep in deps:
+            await self._sync_deployment_status(dep, [p for p in pod_list if self._owned(p, dep)])
+
+    # ------------------------------------------------------------------ ReplicaSet controller
+
+    @staticmethod
+    def _owned(pod: dict[str, Any], dep: dict[str, Any]) -> bool:
+        sel = (dep.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
+        labels = pod.get("metadata", {}).get("labels") or {}
+        return bool(sel) and all(labels.get(k) == v for k, v in sel.items())
+
+    async def _sync_replicas(self, dep: dict[str, Any], pod_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        want = int(dep.get("spec", {}).get("replicas", 1))
+        mine = [p for p in pod_list if self._owned(p, dep)]
+        active = [p for p in mine if not terminating(p)]
+        if len(active) < want:
+            for _ in range(want - len(active)):
+                pod = await self._create_pod(dep)
+                pod_list = [*pod_list, pod]
+        elif len(active) > want:
+            # Like a ReplicaSet: unready pods go first, then the youngest.
+            unready = [p for p in active if not pod_ready(p)]
+            ready = sorted((p for p in active if pod_ready(p)),
+                           key=lambda p: self._created.get(p["metadata"]["name"], -1), reverse=True)
+            for pod in (unready + ready)[: len(active) - want]:
+                name = pod["metadata"]["name"]
+                self._record(name, "delete", {"replicas": want})
+                await self.kube.delete(f"{pods(self.ns)}/{name}")
+            pod_list = await self.kube.list(pods(self.ns))
+        return pod_list
+
+    async def _create_pod(self, dep: dict[str, Any]) -> dict[str, Any]:
+        template = dep["spec"]["template"]
+        meta = dep["metadata"]
+        h = _template_hash(template)
+        name = f"{meta['name']}-{h}-{secrets.token_hex(3)[:5]}"
+        body = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {
+                "name": name, "namespace": self.ns,
+                "labels": {**(template.get("metadata", {}).get("labels") or {}), "pod-template-hash": h},
+                "annotations": dict(template.get("metadata", {}).get("annotations") or {}),
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": meta["name"],
+                                     "uid": meta.get("uid", ""), "controller": True}],
+                "finalizers": [FINALIZER],
+            },
+            "spec": {**template.get("spec", {}), "nodeName": NODE_NAME},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]},
+        }
+        created = await self.kube.create(pods(self.ns), body)
+        self._created[name] = len(self._created)
+        self._record(name, "created")
+        return created
+
+    async def _sync_deployment_status(self, dep: dict[str, Any], mine: list[dict[str, Any]]) -> None:
+        active = [p for p in mine if not terminating(p)]
+        ready = sum(1 for p in active if pod_ready(p))
+        want = int(dep.get("spec", {}).get("replicas", 1))
+        complete = ready == want and len(active) == want
+        status = {
+            "observedGeneration": dep["metadata"].get("generation", 1),
+            "replicas": len(active),
+            "updatedReplicas": len(active),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "unavailableReplicas": max(0, want - ready),
+            "terminatingReplicas": len(mine) - len(active),
+            "conditions": [
+                {"type": "Available", "status": "True" if ready >= 1 else "False",
+                 "reason": "MinimumReplicasAvailable" if ready >= 1 else "MinimumReplicasUnavailable"},
+                {"type": "Progressing", "status": "True",
+                 "reason": "NewReplicaSetAvailable" if complete else "ReplicaSetUpdated"},
+            ],
+        }
+        name = dep["metadata"]["name"]
+        if self._dep_status.get(name) != status:
+            await self.kube.patch(f"{deployments(self.ns)}/{name}/status", {"status": status})
+            self._dep_status[name] = status
+
+    # ------------------------------------------------------------------ kubelet
+
+    async def _sync_pod(self, pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        c = self.containers.get(name)
+        if c is None:
+            if terminating(pod):
+                await self._finalize(name)
+                return
+            c = self._make_container(pod)
+            self.containers[name] = c
+            self._start(c)
+            c.probe_task = asyncio.create_task(self._kubelet(c))
+            await self._write_status(c, pod)
+            return
+        if terminating(pod):
+            if not c.terminating:
+                c.terminating = True
+                c.deleted_at = self.clock()
+                self._record(name, "terminating")
+                c.term_task = asyncio.create_task(self._terminate(c, grace=c.grace, finalize=True))
+            return
+        await self._write_status(c, pod)
+
+    def _alloc_ip(self, port: int) -> str:
+        used = {c.ip for c in self.containers.values() if not c.gone}
+        for _ in range(250):
+            n = self._ip_counter
+            self._ip_counter = 2 if self._ip_counter >= 254 else self._ip_counter + 1
+            ip = f"127.0.0.{n}"
+            if ip not in used and _port_free(ip, port):
+                return ip
+        raise RuntimeError(f"no free loopback address with port {port} free")
+
+    def _make_container(self, pod: dict[str, Any]) -> Container:
+        name = pod["metadata"]["name"]
+        spec = pod["spec"]
+        ctr = spec["containers"][0]
+        port = next((p["containerPort"] for p in ctr.get("ports", []) if p.get("name") == "http"), 8000)
+        ip = self._alloc_ip(port)
+        poddir = self.workdir / "pods" / name
+        mounts = {}
+        for m in ctr.get("volumeMounts", []):
+            vol_dir = poddir / "volumes" / m["name"]
+            vol_dir.mkdir(parents=True, exist_ok=True)
+            mounts[m["mountPath"]] = str(vol_dir)
+        env: dict[str, str] = {}
+        for e in ctr.get("env", []):
+            if "value" not in e:
+                raise RuntimeError(f"pod {name}: env {e['name']} needs a Secret; the node agent has none")
+            value = str(e["value"])
+            for mount in sorted(mounts, key=len, reverse=True):  # a path in a volume -> the volume's folder
+                if value == mount or value.startswith(mount + "/"):
+                    value = mounts[mount] + value[len(mount):]
+                    break
+            env[e["name"]] = _expand(value, env)
+        threads = str(_cpu_threads(ctr))
+        full_env = {
+            "PATH": f"{self._bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "LANG": os.environ.get("LANG", "C.UTF-8"),
+            # The container's CPU limit: more torch threads than CPUs collapses throughput.
+            "OMP_NUM_THREADS": threads, "KVPILOT_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+            "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            **env, **self.node_env,
+        }
+        command = list(ctr.get("command") or ["kvpilot"])
+        if "/" not in command[0] and (self._bin / command[0]).exists():
+            command[0] = str(self._bin / command[0])  # the image's entrypoint is our venv's script
+        args = [_expand(a, full_env) for a in ctr.get("args", [])]
+        # A pod's 0.0.0.0 is its own network namespace; here it is its own loopback address.
+        args = [ip if (i > 0 and args[i - 1] == "--host") else a for i, a in enumerate(args)]
+        pre_stop = (((ctr.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+        return Container(pod=name, ip=ip, port=port, argv=command + args, env=full_env,
+                         log_path=poddir / "daemon.log", grace=float(spec.get("terminationGracePeriodSeconds", 30)),
+                         pre_stop=list(pre_stop) if pre_stop else None,
+                         readiness=_probe(ctr, "readinessProbe", "/ready"),
+                         liveness=_probe(ctr, "livenessProbe", "/health"))
+
+    def _start(self, c: Container) -> None:
+        with open(c.log_path, "a") as f:
+            f.write(f"--- start #{c.restarts} at {now_iso()}: {' '.join(c.argv)}\n")
+        c.proc = procs.spawn(c.argv, c.env, c.log_path)
+        c.started_at = self.clock()
+        c.ready = False
+        c.was_ready = False
+        c.ready_failures = 0
+        c.health_failures = 0
+        c.crashed_at = None
+        c.restart_at = None
+        self._record(c.pod, "started", {"ip": c.ip, "pid": c.proc.pid, "restarts": c.restarts})
+
+    async def _get(self, url: str, timeout: float) -> int:
+        assert self._http is not None
+        try:
+            async with self._http.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                await r.read()
+                return r.status
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return 0
+
+    async def _kubelet(self, c: Container) -> None:
+        """One container's life: notice its exit at once, restart it, run its probes."""
+        next_probe = 0.0
+        while not c.terminating and not c.gone:
+            assert c.proc is not None
+            code = c.proc.poll()
+            if code is not None:
+                if c.crashed_at is None:  # the container died: not ready now, restart after a backoff
+                    c.crashed_at = self.clock()
+                    c.last_exit = code
+                    c.ready = False
+                    c.restarts += 1
+                    c.restart_at = c.crashed_at + RESTART_BACKOFF
+                    procs.forget(c.proc)
+                    self._record(c.pod, "crashed", {"exit_code": code, "restarts": c.restarts})
+                elif self.clock() >= (c.restart_at or 0):
+                    self._start(c)
+            elif self.clock() >= next_probe:
+                next_probe = self.clock() + PROBE_PERIOD
+                await self._probe(c)
+            await asyncio.sleep(EXIT_CHECK_PERIOD)
+
+    async def _probe(self, c: Container) -> None:
+        """Readiness (a failed probe counts after failureThreshold in a row) and, once up, liveness."""
+        ok = await self._get(f"{c.base_url}{c.readiness.path}", c.readiness.timeout) == 200
+        if c.terminating or c.crashed_at is not None:
+            return
+        c.ready_failures = 0 if ok else c.ready_failures + 1
+        ready = ok if not c.ready else c.ready_failures < c.readiness.failures
+        if ready != c.ready:
+            c.ready = ready
+            if ready:
+                c.ready_at = self.clock()
+                c.was_ready = True
+            self._record(c.pod, "ready" if ready else "not-ready")
+        if c.was_ready:  # liveness only once the model is up (the startup probe holds it off until then)
+            healthy = await self._get(f"{c.base_url}{c.liveness.path}", c.liveness.timeout) == 200
+            c.health_failures = 0 if healthy else c.health_failures + 1
+            if c.health_failures >= c.liveness.failures and c.proc is not None:
+                self._record(c.pod, "liveness-failed")
+                procs.signal_group(c.proc, signal.SIGKILL)
+
+    async def _write_status(self, c: Container, pod: dict[str, Any]) -> None:
+        running = c.proc is not None and c.proc.poll() is None and c.crashed_at is None
+        state: dict[str, Any]
+        if running:
+            state = {"running": {"startedAt": now_iso()}}
+        else:
+            state = {"waiting": {"reason": "CrashLoopBackOff" if c.restarts else "ContainerCreating"}}
+        ready = "True" if c.ready and running else "False"
+        cstatus: dict[str, Any] = {"name": "daemon", "ready": ready == "True", "restartCount": c.restarts,
+                                   "started": running, "state": state}
+        if c.last_exit is not None:
+            cstatus["lastState"] = {"terminated": {"exitCode": c.last_exit,
+                                                   "reason": "Error" if c.last_exit else "Completed"}}
+        status = {
+            "phase": "Running", "podIP": c.ip, "podIPs": [{"ip": c.ip}], "hostIP": "127.0.0.1",
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Initialized", "status": "True"},
+                           {"type": "ContainersReady", "status": ready}, {"type": "Ready", "status": ready}],
+            "containerStatuses": [cstatus],
+        }
+        old = pod.get("status") or {}
+        same = (old.get("podIP") == status["podIP"] and condition(pod, "Ready") is not None
+                and condition(pod, "Ready").get("status") == ready
+                and (old.get("containerStatuses") or [{}])[0].get("restartCount") == c.restarts
+                and (old.get("containerStatuses") or [{}])[0].get("started") == running)
+        if not same:
+            if not running or condition(pod, "Ready") is None:
+                status["startTime"] = old.get("startTime") or now_iso()
+            await self.kube.patch(f"{pods(self.ns)}/{c.pod}/status", {"status": status})
+
+    async def _terminate(self, c: Container, grace: float, finalize: bool) -> None:
+        """Graceful deletion: preStop, SIGTERM, wait out the grace period, SIGKILL; then release the Pod."""
+        start = self.clock()
+        try:
+            if c.proc is not None and c.proc.poll() is None and grace > 0 and c.pre_stop:
+                hook = procs.spawn(c.pre_stop, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                                   c.log_path.with_name("prestop.log"))
+                self._record(c.pod, "prestop", {"command": c.pre_stop})
+                while hook.poll() is None and self.clock() - start < grace:
+                    await asyncio.sleep(0.1)
+                procs.signal_group(hook, signal.SIGKILL)
+                procs.forget(hook)
+            if c.proc is not None and c.proc.poll() is None:
+                c.sigterm_at = self.clock()
+                self._record(c.pod, "sigterm")
+                procs.signal_group(c.proc, signal.SIGTERM)
+                while c.proc.poll() is None and self.clock() - start < grace:
+                    await asyncio.sleep(0.1)
+                if c.proc.poll() is None:
+                    self._record(c.pod, "sigkill", {"after_s": round(self.clock() - start, 1)})
+                    procs.signal_group(c.proc, signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        await asyncio.to_thread(c.proc.wait, 10)
+            if c.proc is not None:
+                c.exit_code = c.proc.returncode
+                procs.forget(c.proc)
+            self._record(c.pod, "exited", {"exit_code": c.exit_code, "after_s": round(self.clock() - start, 1)})
+        finally:
+            c.gone = True
+            if finalize:
+                await self._finalize(c.pod)
+
+    async def _finalize(self, name: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.kube.patch(f"{pods(self.ns)}/{name}", {"metadata": {"finalizers": []}})
+            self._record(name, "removed")
+
+    async def shutdown(self) -> None:
+        """Node shutdown at the end of a run: every container goes, at once (no grace: the run is over)."""
+        for c in self.containers.values():
+            for t in (c.term_task, c.probe_task):
+                if t is not None and not t.done():
+                    t.cancel()
+            if c.proc is not None and c.proc.poll() is None:
+                procs.signal_group(c.proc, signal.SIGKILL)
+        for c in self.containers.values():
+            if c.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    await asyncio.to_thread(c.proc.wait, 10)
+                procs.forget(c.proc)
+
+    # ------------------------------------------------------------------ views for the test
+
+    def _record(self, pod: str, what: str, detail: dict[str, Any] | None = None) -> None:
+        self.events.append(Event(self.clock(), pod, what, detail or {}))
+        log.info("%s %s %s", pod, what, detail or "")
+
+    def endpoints(self) -> list[Container]:
+        return [c for c in self.containers.values() if c.ready and not c.terminating and not c.gone]
+
+    def events_of(self, pod: str, what: str | None = None) -> list[Event]:
+        return [e for e in self.events if e.pod == pod and (what is None or e.what == what)]

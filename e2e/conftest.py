@@ -1,0 +1,32 @@
+"""One end-to-end run per session, shared by the scenario tests (each asserts on its part of the report).
+
+The run starts the kmock emulator, the operator, the node agent with real daemons and the load; it takes a
+few minutes on two CPU cores. Its logs, report.json and a plot stay in the pytest temp folder named in any
+failure message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from .lifecycle import Config, Report, run
+
+
+@pytest.fixture(scope="session")
+def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> Report:
+    workdir = Path(os.environ.get("KVPILOT_E2E_WORKDIR") or tmp_path_factory.mktemp("e2e"))
+    report = asyncio.run(run(Config(workdir=workdir)))
+    try:
+        from .monitor import plot
+
+        if report.monitor is not None and report.monitor.samples:
+            plot(report.monitor.samples, workdir / "timeline.png", report.t0, report.marks,
+                 "kvpilot e2e: replicas and KV-cache usage")
+    except Exception as e:  # noqa: BLE001 - the plot is a convenience, not a check
+        print(f"plot failed: {e}")
+    print(f"\ne2e run: {report.wall_s:.0f}s, workdir {workdir}, phases {report.done}, errors {list(report.errors)}")
+    return report
