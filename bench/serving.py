@@ -246,7 +246,8 @@ def main() -> int:
         "benchmark": "serving",
         "kvpilot_version": __version__,
         "model": MODEL,
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_average_at_start": os.getloadavg()},
         "workload": {"num_prompts": args.num_prompts, "prompt_len": prompt_range, "output_len": out_range,
                      "seed": args.seed, "rates": args.rates, "temperature": 0.0, "stream": True},
     }

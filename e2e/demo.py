@@ -33,11 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill", action="store_true", help="also SIGKILL one daemon mid-load (scenario 5)")
     p.add_argument("--out", type=Path, default=RESULTS, help=f"where the PNG and JSON go (default {RESULTS})")
     p.add_argument("--every", type=float, default=2.0, help="seconds between table rows")
+    p.add_argument("--hold", type=float, default=20.0, help="seconds of load at full scale before it stops")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     workdir = Path(tempfile.mkdtemp(prefix="kvpilot-demo-"))
-    cfg = lifecycle.Config(workdir=workdir, kill=args.kill, table_every=args.every)
+    cfg = lifecycle.Config(workdir=workdir, kill=args.kill, table_every=args.every, hold_heavy=args.hold)
     print(f"kvpilot demo: kmock API on 127.0.0.1, the operator, daemons on 127.0.0.2+; logs in {workdir}")
     print(f"autoscaling: maxReplicas {cfg.max_replicas}, stable window {cfg.stable_window}s, "
           f"scale-down delay {cfg.scale_down_delay}s, metrics every {cfg.metrics_interval}s\n")

@@ -49,6 +49,7 @@ class Config:
     scale_down_delay: int = 10
     metrics_interval: int = 1
     grace_period: int = 40  # --shutdown-timeout = 40 - 5 (preStop) - 15 (margin) = 20 s
+    hold_heavy: float = 0.0  # extra seconds of load at full scale before it stops (the demo shows it)
     new_pod_requests: int = 2  # answers a new (or restarted) pod must give to count as "taking traffic"
     table_every: float | None = None  # print the live table every N seconds (the demo)
     pod_ready_timeout: float = 300.0
@@ -279,8 +280,7 @@ async def _scenarios(cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_
     agent, load, mon = rep.agent, rep.load, rep.monitor
     assert agent is not None and load is not None and mon is not None
     clock = time.monotonic
-    heavy_jobs = [j for j in workload.all_jobs() if j.max_tokens == workload.HEAVY_MAX_TOKENS]
-    trickle_jobs = [j for j in workload.all_jobs() if j.max_tokens == workload.TRICKLE_MAX_TOKENS]
+    heavy_jobs, trickle_jobs = workload.heavy_jobs(), workload.trickle_jobs()
 
     def mark(label: str) -> float:
         rep.marks[label] = clock()
@@ -341,6 +341,7 @@ async def _scenarios(cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_
         await until(lambda: ok_on(rep.new_pod, t_ready) >= cfg.new_pod_requests, 180,
                     f"the new pod answers {cfg.new_pod_requests} requests")
         mark("pod 2 serving")
+        await asyncio.sleep(cfg.hold_heavy)
 
     # ---- scenario 5: SIGKILL one daemon mid-load -> not ready, no scale-down, the agent restarts it
     async def sigkill() -> None:

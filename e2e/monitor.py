@@ -176,7 +176,7 @@ def plot(samples: list[Sample], path: Path, t0: float, marks: dict[str, float], 
     ax1.set_ylabel("pods")
     ax1.set_ylim(bottom=0, top=max([s.replicas or 0 for s in samples] + [s.ready for s in samples] + [1]) + 0.7)
     ax1.yaxis.get_major_locator().set_params(integer=True)
-    ax1.legend(loc="upper left")
+    ax1.legend(loc="lower right")
     ax1.set_title(title)
     kv = [(x, s.kv * 100) for x, s in zip(t, samples, strict=True) if s.kv is not None]
     waiting = [(x, s.waiting) for x, s in zip(t, samples, strict=True) if s.waiting is not None]

@@ -23,7 +23,7 @@ def main() -> int:
     from kvpilot.daemon.engine import LLM, SamplingParams
 
     llm = LLM(model=w.MODEL_URI, dtype=w.DTYPE, block_size=w.BLOCK_SIZE, max_model_len=w.MAX_MODEL_LEN,
-              max_num_seqs=len(w.all_jobs()), num_kv_blocks=len(w.all_jobs()) * 6)
+              max_num_seqs=len(w.all_jobs()), num_kv_blocks=len(w.all_jobs()) * 6)  # room for all at once: no preemption
     jobs = w.all_jobs()
     outs = llm.generate([j.prompt for j in jobs],
                         [SamplingParams(temperature=0.0, max_tokens=j.max_tokens) for j in jobs], use_tqdm=False)

@@ -40,24 +40,34 @@ PROMPTS: tuple[str, ...] = (
     "villages. In the dining car, a waiter",
 )
 
+# The light load while scaling in: short prompts, long answers (<= 80 tokens = 5 blocks, so one request per
+# pod keeps the summed KV usage under one replica's target) that often outlast the removed pod's preStop.
+TRICKLE_PROMPTS: tuple[str, ...] = (
+    "Once upon a time, in a quiet village by the sea,",
+    "The three most important rules of cooking are",
+    "Dear diary, today was the strangest day because",
+    "Here is a step by step guide to planting a tree:",
+)
+
 HEAVY_MAX_TOKENS = 16  # the scale-up load: many short requests
-TRICKLE_MAX_TOKENS = 40  # the light load during scale-down: fewer, longer requests that straddle the drain
+TRICKLE_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True)
 class Job:
-    prompt_index: int
+    prompt: str
     max_tokens: int
+    key: str
 
-    @property
-    def prompt(self) -> str:
-        return PROMPTS[self.prompt_index]
 
-    @property
-    def key(self) -> str:
-        return f"{self.prompt_index}:{self.max_tokens}"
+def heavy_jobs() -> list[Job]:
+    return [Job(p, HEAVY_MAX_TOKENS, f"heavy-{i}") for i, p in enumerate(PROMPTS)]
+
+
+def trickle_jobs() -> list[Job]:
+    return [Job(p, TRICKLE_MAX_TOKENS, f"trickle-{i}") for i, p in enumerate(TRICKLE_PROMPTS)]
 
 
 def all_jobs() -> list[Job]:
-    """Every (prompt, max_tokens) pair the load generator may send: the reference computes each once."""
-    return [Job(i, n) for n in (HEAVY_MAX_TOKENS, TRICKLE_MAX_TOKENS) for i in range(len(PROMPTS))]
+    """Every request the load generator may send: the reference computes each once."""
+    return heavy_jobs() + trickle_jobs()

@@ -40,6 +40,23 @@ def store_kv(
     vf.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
+def _decode_buckets(ctx: torch.Tensor, bs: int, max_ratio: float = 1.5) -> list[torch.Tensor] | None:
+    """Group decode rows of similar length so that padding each group to its longest row wastes
+    little gather work. None when one group is already tight enough."""
+    nbs = ((ctx + bs - 1) // bs).tolist()
+    if len(nbs) < 8 or max(nbs) <= max_ratio * max(1, min(nbs)):
+        return None
+    order = sorted(range(len(nbs)), key=nbs.__getitem__)
+    groups: list[list[int]] = [[order[0]]]
+    low = max(1, nbs[order[0]])
+    for i in order[1:]:
+        if nbs[i] > max_ratio * low and len(groups[-1]) >= 4:
+            groups.append([])
+            low = max(1, nbs[i])
+        groups[-1].append(i)
+    return [torch.tensor(g, dtype=torch.long, device=ctx.device) for g in groups]
+
+
 def _attend_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -141,8 +158,18 @@ def paged_attention(
         max_context_len = int(ctx.max())
     if max_query_len == 1 and num_tokens == b:
         # pure decode: row i is sequence i
-        o = _attend_decode(query, k_cache, v_cache, block_tables, ctx, max_context_len, scale, sliding_window)
-        out.copy_(o)
+        buckets = _decode_buckets(ctx, k_cache.shape[1]) if dev.type == "cpu" else None
+        if buckets is None:
+            o = _attend_decode(query, k_cache, v_cache, block_tables, ctx, max_context_len, scale, sliding_window)
+            out.copy_(o)
+            return out
+        for rows in buckets:
+            rctx = ctx[rows]
+            o = _attend_decode(
+                query.index_select(0, rows), k_cache, v_cache, block_tables[rows], rctx, int(rctx.max()), scale,
+                sliding_window,
+            )
+            out.index_copy_(0, rows, o.to(out.dtype))
         return out
     q_lens_l = q_lens.tolist()
     dec = [i for i, n in enumerate(q_lens_l) if n == 1]

@@ -54,7 +54,9 @@ async def app_client():
     app = build_app(args, engine)
     client = TestClient(TestServer(app))
     await client.start_server()
-    await start_engine(app)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVPILOT_NUM_THREADS", "1")  # this process is also the client: keep one core for it
+        await start_engine(app)
     try:
         yield client, app, switch
     finally:

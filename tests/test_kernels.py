@@ -195,6 +195,15 @@ def test_reference_pure_decode_and_hints():
     assert_close(R.paged_attention(*case.args(), sliding_window=20), dense_batch(case, 20), torch.float32)
 
 
+def test_reference_decode_length_buckets():
+    # Widely ragged decode batches are split into length buckets on CPU; results must not change.
+    lens = [1, 3, 16, 17, 40, 90, 120, 200, 201, 33, 64, 5]
+    assert R._decode_buckets(torch.tensor(lens), 16) is not None
+    case = make_case(lens, [1] * len(lens), kvh=3, group=3, d=64, bs=16, dtype=torch.float32, seed=5, fill=0.0)
+    assert_close(R.paged_attention(*case.args()), dense_batch(case), torch.float32)
+    assert_close(R.paged_attention(*case.args(), sliding_window=24), dense_batch(case, 24), torch.float32)
+
+
 def test_reference_prefill_only_and_zero_len_seq():
     # a sequence with no query rows this step must not disturb the others
     case = make_case(

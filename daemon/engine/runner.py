@@ -19,6 +19,7 @@ import torch
 from kvpilot import kernels
 
 from .config import EngineConfig
+from .cpu_tuning import tune_allocator
 from .loader import LoadedModel
 from .models import AttentionMetadata
 
@@ -69,6 +70,8 @@ class ModelRunner:
         self.num_cpu_blocks = 0
         self._threads_set_for: int | None = None  # thread whose intra-op pool we sized
         self._ensure_threads()
+        if self.device.type == "cpu":
+            tune_allocator()
 
     def _ensure_threads(self) -> None:
         if self.device.type == "cpu" and self._threads_set_for != threading.get_ident():
