@@ -40,7 +40,7 @@ serve: install
 	$(VENV)/bin/kvpilot serve $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install
-	$(PY) -m pytest -q -x --timeout=900 tests e2e
+	$(PY) -m pytest -q --timeout=900 --durations=15 tests e2e
 
 test-fast: install
 	$(PY) -m pytest -q -m 'not slow' tests
@@ -56,7 +56,7 @@ e2e: install
 	$(PY) -m pytest -q e2e
 
 demo: install
-	$(PY) -m e2e.demo
+	$(PY) e2e/demo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

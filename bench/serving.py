@@ -1,12 +1,16 @@
 """Online serving benchmark: Poisson arrivals against `kvpilot serve` (and `transformers serve` as a peer).
 
-Each rate sends the same seeded workload as bench/throughput.py draws it (prompts of 32-512 random
-tokens, outputs of 16-256 tokens, EOS ignored where the server allows it), streamed over SSE with
-aiohttp. Measured per request: TTFT (first content), TPOT ((e2e - TTFT) / (tokens - 1)), e2e latency;
+Each rate sends a workload drawn as bench/throughput.py draws it (prompts of 32-512 random tokens,
+outputs of 16-256 tokens, EOS ignored where the server allows it), with fresh prompts per rate (seeded,
+identical for both servers) so that a prefix cache cannot carry one rate into the next; streamed over
+SSE with aiohttp. Measured per request: TTFT (first content), TPOT ((e2e - TTFT) / (tokens - 1)), e2e latency;
 per rate: p50/p99 of each, output tokens/s and requests/s over the run's wall time.
 
-Usage: python bench/serving.py [--rates 0.5,1,2,4] [--num-prompts 32] [--quick] [--skip-peer]
+Usage: python bench/serving.py [--rates 0.5,1,2] [--num-prompts 16] [--num-threads 1] [--quick] [--skip-peer]
        [--base-url http://127.0.0.1:8000]   # measure a daemon that is already running instead
+The peer needs FastAPI and Uvicorn, which kvpilot does not depend on; to keep them out of the project's
+venv: `pip install --target /tmp/peer fastapi uvicorn`, then `--peer-pythonpath /tmp/peer`. Without them
+the JSON records the peer as not run, with the reason.
 Writes bench/results/serving.json.
 """
 
@@ -143,11 +147,12 @@ async def wait_http(url: str, path: str, timeout: float, proc: subprocess.Popen 
     return False
 
 
-async def bench_server(name: str, url: str, model: str | None, work, rates, seed, extra, count_chunks=False) -> dict:
-    # one short request first so that lazy loading or compilation does not land in the first rate
-    await run_rate(url, model, work[:1], math.inf, seed, extra, count_chunks)
+async def bench_server(name: str, url: str, model: str | None, works, rates, seed, extra, count_chunks=False) -> dict:
+    """`works[0]` warms the server up; `works[i + 1]` runs at `rates[i]` (fresh prompts per rate, so that a
+    prefix cache cannot serve one rate from the previous one)."""
+    await run_rate(url, model, works[0], math.inf, seed, extra, count_chunks)
     runs = []
-    for rate in rates:
+    for rate, work in zip(rates, works[1:], strict=True):
         r = await run_rate(url, model, work, rate, seed, extra, count_chunks)
         print(f"[{name}] rate={r['request_rate']}: {r['completed']}/{r['num_requests']} ok, "
               f"{r['output_tokens_per_s'] or 0:.1f} tok/s, TTFT p50 {fmt(r['ttft_s']['p50'])} "
@@ -161,8 +166,8 @@ def fmt(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}ms"
 
 
-def run_peer(work, rates, seed, model_dir: str, timeout: float, dtype: str, pythonpath: str | None,
-             continuous_batching: bool) -> dict:
+def run_peer(works, rates, seed, model_dir: str, timeout: float, dtype: str, pythonpath: str | None,
+             continuous_batching: bool, num_threads: int | None = None) -> dict:
     """HF transformers' own OpenAI server, if it can run here (it needs the `serving` extra and no network)."""
     if pythonpath:  # e.g. a `pip install --target DIR fastapi uvicorn` kept out of the project's venv
         sys.path.insert(0, pythonpath)
@@ -181,6 +186,8 @@ def run_peer(work, rates, seed, model_dir: str, timeout: float, dtype: str, pyth
         port = sock.getsockname()[1]
     log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log", delete=False)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONSAFEPATH": "1"}
+    if num_threads:
+        env["OMP_NUM_THREADS"] = str(num_threads)
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     cmd = [exe, "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
@@ -191,7 +198,7 @@ def run_peer(work, rates, seed, model_dir: str, timeout: float, dtype: str, pyth
         if not asyncio.run(wait_http(url, "/health", timeout, proc)):
             tail = Path(log.name).read_text(errors="replace")[-1500:]
             return {"status": "failed", "reason": f"`{' '.join(cmd)}` did not come up", "log_tail": tail}
-        res = asyncio.run(bench_server("transformers serve", url, model_dir, work, rates, seed, {}, True))
+        res = asyncio.run(bench_server("transformers serve", url, model_dir, works, rates, seed, {}, True))
         res["command"] = " ".join(cmd)
         res["note"] = "no ignore_eos: outputs may end early at EOS; throughput counts the tokens actually produced"
         if all(r["completed"] == 0 for r in res["runs"]):
@@ -208,8 +215,8 @@ def run_peer(work, rates, seed, model_dir: str, timeout: float, dtype: str, pyth
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", default="0.5,1,2,4", help="requests/s, comma separated ('inf' = all at once)")
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--rates", default="0.5,1,2", help="requests/s, comma separated ('inf' = all at once)")
+    ap.add_argument("--num-prompts", type=int, default=16, help="per rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt-len", default="32,512")
     ap.add_argument("--output-len", default="16,256")
@@ -219,6 +226,9 @@ def main() -> int:
                     help="extra import path holding fastapi/uvicorn for `transformers serve`")
     ap.add_argument("--peer-no-continuous-batching", action="store_true",
                     help="run `transformers serve` without --continuous-batching")
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="intra-op CPU threads for both servers (KVPILOT_NUM_THREADS / OMP_NUM_THREADS); "
+                         "1 keeps a shared 2-core box from stalling at OpenMP barriers")
     ap.add_argument("--dtype", default="float32", help="for both servers (float32: what a CPU without bf16 runs)")
     ap.add_argument("--base-url", default=None, help="benchmark this running daemon instead of starting one")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -237,7 +247,9 @@ def main() -> int:
 
     model_dir = str(resolve_model_path(MODEL))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    work = make_workload(args.num_prompts, args.seed, tokenizer, prompt_range, out_range)
+    works = [make_workload(1, args.seed + 1000, tokenizer, (16, 16), (4, 4))]  # warm-up
+    works += [make_workload(args.num_prompts, args.seed + i, tokenizer, prompt_range, out_range)
+              for i in range(len(rates))]
 
     from kvpilot import __version__
     from kvpilot.daemon.testing import DaemonProcess
@@ -249,17 +261,19 @@ def main() -> int:
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "load_average_at_start": os.getloadavg()},
         "workload": {"num_prompts": args.num_prompts, "prompt_len": prompt_range, "output_len": out_range,
-                     "seed": args.seed, "rates": args.rates, "temperature": 0.0, "stream": True},
+                     "seed": args.seed, "prompts_per_rate": "fresh (seed + rate index)", "rates": args.rates, "temperature": 0.0, "stream": True,
+                     "dtype": args.dtype, "num_threads": args.num_threads},
     }
     daemon = None
     url = args.base_url
     if url is None:
+        env = {"KVPILOT_NUM_THREADS": str(args.num_threads)} if args.num_threads else {}
         daemon = DaemonProcess("--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_cache_memory,
-                               "--dtype", args.dtype, "--disable-log-requests").start(timeout=600)
+                               "--dtype", args.dtype, "--disable-log-requests", env=env).start(timeout=600)
         url = daemon.base_url
         result["kvpilot_args"] = daemon.serve_args
     try:
-        result["kvpilot"] = asyncio.run(bench_server("kvpilot", url, None, work, rates, args.seed,
+        result["kvpilot"] = asyncio.run(bench_server("kvpilot", url, None, works, rates, args.seed,
                                                      {"ignore_eos": True}))
     finally:
         if daemon is not None:
@@ -267,8 +281,8 @@ def main() -> int:
     if args.skip_peer:
         result["transformers_serve"] = {"status": "skipped", "reason": "--skip-peer"}
     else:
-        result["transformers_serve"] = run_peer(work, rates, args.seed, model_dir, timeout=600, dtype=args.dtype,
-                                                pythonpath=args.peer_pythonpath,
+        result["transformers_serve"] = run_peer(works, rates, args.seed, model_dir, timeout=600, dtype=args.dtype,
+                                                pythonpath=args.peer_pythonpath, num_threads=args.num_threads,
                                                 continuous_batching=not args.peer_no_continuous_batching)
         if result["transformers_serve"]["status"] != "ok":
             print(f"[transformers serve] {result['transformers_serve']['status']}: "

@@ -246,10 +246,11 @@ class OpenAIServing:
                 job.unfinished.clear()
                 raise APIError(f"the engine stopped: {first.message}", status=503,
                                type="service_unavailable_error", code="engine_dead")
-            assert isinstance(first, Accepted)
+            # an abort (drain timeout) can overtake the acceptance: then it is the first thing to apply
+            early = [] if isinstance(first, Accepted) else [first]
             if stream:
-                return await self._stream(request, job, fmt, sink, so)
-            return await self._collect(job, fmt, sink)
+                return await self._stream(request, job, fmt, sink, so, early)
+            return await self._collect(job, fmt, sink, early)
         finally:
             if job.unfinished:  # client went away (or an error): free the KV blocks now
                 self.engine.abort(job.unfinished)
@@ -289,8 +290,10 @@ class OpenAIServing:
             raise _EngineDied(item.message)
         return []
 
-    async def _collect(self, job: _Job, fmt: _Format, sink: asyncio.Queue) -> web.Response:
+    async def _collect(self, job: _Job, fmt: _Format, sink: asyncio.Queue, early: list) -> web.Response:
         try:
+            for item in early:
+                self._apply(job, item, fmt)
             while job.unfinished:
                 self._apply(job, await sink.get(), fmt)
         except _EngineDied as exc:
@@ -299,7 +302,7 @@ class OpenAIServing:
         return web.json_response(fmt.final(), headers={"X-Request-Id": job.rid})
 
     async def _stream(self, request: web.Request, job: _Job, fmt: _Format, sink: asyncio.Queue,
-                      so: StreamOptions) -> web.StreamResponse:
+                      so: StreamOptions, early: list) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Request-Id": job.rid})
         await resp.prepare(request)
@@ -308,7 +311,8 @@ class OpenAIServing:
             await resp.write(b"".join(_sse(self._with_usage(c, job, so)) for c in head))
         try:
             while job.unfinished:
-                items = [await sink.get()]
+                items = early or [await sink.get()]
+                early = []
                 while not sink.empty():  # the loop fell behind: send everything in one write
                     items.append(sink.get_nowait())
                 chunks: list[dict[str, Any]] = []

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import kopf
+
 from kvpilot.operator import GROUP, PLURAL, VERSION, crd, kube, metrics, resources
 from kvpilot.operator.autoscaler import Autoscaler, Decision, Policy
 from kvpilot.operator.scrape import scrape, split_pods

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from kvpilot.operator.autoscaler import Observation, PodSample
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.operator.autoscaler import Observation, PodSample
 
 log = logging.getLogger(__name__)
 

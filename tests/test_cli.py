@@ -103,7 +103,7 @@ def test_serve_exits_1_when_the_model_cannot_load(tmp_path):
 @pytest.mark.slow
 def test_generate_prints_greedy_text():
     r = run_cli("generate", "-", "--max-tokens", "6", "--kv-cache-memory", "64MiB", "--chat",
-                stdin="What is the capital of France?", timeout=300)
+                stdin="What is the capital of France?", timeout=300, env={"KVPILOT_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip(), "generate printed nothing"
 

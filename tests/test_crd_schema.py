@@ -12,6 +12,7 @@ import celpy
 import jsonschema
 import pytest
 import yaml
+
 from kvpilot.operator import crd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -77,6 +77,25 @@ async def test_loop_sleeps_when_idle_and_serves_after(app_client):
     assert r.status == 200
 
 
+async def test_queued_token_limit_answers_429(app_client):
+    client, app, switch = app_client
+    engine = server_state(app).engine
+    prompt = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen"
+    engine.max_queued_tokens = 30  # about two of these prompts
+    try:
+        rs = await asyncio.gather(*[client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+                                    for _ in range(6)])
+        codes = [r.status for r in rs]
+        bodies = [await r.json() for r in rs]
+    finally:
+        engine.max_queued_tokens = None
+    assert codes.count(200) >= 1 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+    for r, body in zip(rs, bodies, strict=True):
+        if r.status == 429:
+            assert int(r.headers["Retry-After"]) >= 1 and body["error"]["code"] == "rate_limit_exceeded"
+    assert engine.num_queued == 0 and engine.num_queued_tokens == 0
+
+
 async def test_engine_crash_fails_requests_and_turns_health_503(app_client):
     client, app, switch = app_client
     assert (await client.get("/health")).status == 200

@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
 from kvpilot.daemon.engine.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,

@@ -9,9 +9,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-import kvpilot.kernels as K
 import pytest
 import torch
+
+import kvpilot.kernels as K
 from kvpilot.kernels import reference as R
 
 # --------------------------------------------------------------------------------------- helpers
@@ -320,8 +321,9 @@ if not INTERPRETED:
 
 @pytest.fixture(scope="module")
 def tk():
-    import kvpilot.kernels.triton_kernels as mod
     import triton.language as tl
+
+    import kvpilot.kernels.triton_kernels as mod
 
     # fail loudly rather than test compiled kernels on CPU tensors (or crash inside them)
     assert mod._INTERPRET and type(tl.standard.cdiv).__name__ == "InterpretedFunction"

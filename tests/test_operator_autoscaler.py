@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 import pytest
+
 from kvpilot.operator.autoscaler import Autoscaler, Decision, Observation, PodSample, Policy
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+
 from kvpilot.operator import crd, resources
 
 META = {"name": "llm", "namespace": "ml", "uid": "u-1"}

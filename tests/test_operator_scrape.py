@@ -7,8 +7,9 @@ import asyncio
 import aiohttp
 import aiohttp.web
 import pytest
-from kvpilot.operator.scrape import DEFAULT_NAMES, ScrapeError, Target, parse_metrics, scrape, split_pods
 from operator_support.harness import MetricsServer
+
+from kvpilot.operator.scrape import DEFAULT_NAMES, ScrapeError, Target, parse_metrics, scrape, split_pods
 
 PAGE = """# TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{model_name="m"} 0.42

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from kvpilot.daemon.engine.sampler import Sampler, SamplingState, make_generator
 from kvpilot.daemon.engine.sampling_params import SamplingParams
 

@@ -19,7 +19,6 @@ import torch
 from kvpilot import kernels
 
 from .config import EngineConfig
-from .cpu_tuning import tune_allocator
 from .loader import LoadedModel
 from .models import AttentionMetadata
 
@@ -37,16 +36,37 @@ class SeqBatchEntry:
     compute_logits: bool  # True when the last token of this chunk needs sampling
 
 
-def _configure_cpu_threads() -> None:
-    """Use every CPU this process may run on (torch's default counts physical cores only);
-    ``KVPILOT_NUM_THREADS`` overrides. With OpenMP the setting belongs to the calling thread, so the
-    runner applies it in whichever thread runs the model."""
-    env = os.environ.get("KVPILOT_NUM_THREADS")
+def _cgroup_cpu_limit() -> int | None:
+    """CPUs allowed by the cgroup v2 quota (a pod's CPU limit), rounded up; None when unlimited."""
     try:
-        n = int(env) if env else len(os.sched_getaffinity(0))
-    except (ValueError, AttributeError):
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, -(-int(quota) // int(period)))
+
+
+def cpu_threads() -> int:
+    """Intra-op threads: KVPILOT_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs this process may
+    use (affinity, capped by a cgroup CPU limit; torch's own default counts physical cores only)."""
+    for var in ("KVPILOT_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
         n = os.cpu_count() or 1
-    if n >= 1 and torch.get_num_threads() != n:
+    limit = _cgroup_cpu_limit()
+    return min(n, limit) if limit else n
+
+
+def _configure_cpu_threads() -> None:
+    """With OpenMP the setting belongs to the calling thread, so the runner applies it in whichever
+    thread runs the model."""
+    n = cpu_threads()
+    if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
 
@@ -70,8 +90,6 @@ class ModelRunner:
         self.num_cpu_blocks = 0
         self._threads_set_for: int | None = None  # thread whose intra-op pool we sized
         self._ensure_threads()
-        if self.device.type == "cpu":
-            tune_allocator()
 
     def _ensure_threads(self) -> None:
         if self.device.type == "cpu" and self._threads_set_for != threading.get_ident():
