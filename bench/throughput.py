@@ -115,12 +115,18 @@ def bench_hf_static(model, work: list[tuple[list[int], int]], batch_size: int) -
 def bench_hf_generate_batch(model, work: list[tuple[list[int], int]]) -> dict:
     """HF's own continuous batching, with each request's own output length and EOS disabled."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
+    # Left alone, HF sizes its cache from free memory (14 GB here, which got it OOM-killed next to
+    # other work); give it the same room kvpilot gets (131k token slots).
+    cb_cfg = ContinuousBatchingConfig(num_blocks=512, max_batch_tokens=2048)  # 512 x 256-token pages
     cfg = GenerationConfig(max_new_tokens=max(m for _, m in work), do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
     start = time.perf_counter()
     produced = 0
-    with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=30) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=cfg, continuous_batching_config=cb_cfg, block=True, timeout=30
+    ) as manager:
         ids = [manager.add_request(p, max_new_tokens=m, eos_token_id=-1) for p, m in work]
         pending = set(ids)
         deadline = time.perf_counter() + 3600
