@@ -234,9 +234,6 @@ class KVCacheManager:
         table = self.tables.get(request_id)
         return [] if table is None else table.ids
 
-    def has(self, request_id: str) -> bool:
-        return request_id in self.tables
-
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -310,20 +307,6 @@ class KVCacheManager:
         table.num_registered = num_full
 
     # ----------------------------------------------------------------- allocation
-    def can_allocate(self, request_id: str, num_total_tokens: int, extra_reserved: int = 0) -> bool:
-        table = self.tables.get(request_id)
-        have = len(table.blocks) if table else 0
-        need = self.num_blocks_needed(num_total_tokens) - have + self._cow_blocks_needed(table)
-        return need + extra_reserved <= self.pool.num_free
-
-    def _cow_blocks_needed(self, table: _Table | None) -> int:
-        if table is None or not table.blocks:
-            return 0
-        idx = table.num_tokens // self.block_size
-        if idx < len(table.blocks) and table.blocks[idx].ref_cnt > 1:
-            return 1
-        return 0
-
     def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` tokens after `num_computed_tokens`.
 

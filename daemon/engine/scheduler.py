@@ -8,7 +8,6 @@ is preempted (recompute: drop its blocks; swap: move them to the CPU pool).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -236,7 +235,3 @@ class Scheduler:
             req.num_computed_tokens = after = before + entry.num_new_tokens
             if caching and after // bs != before // bs:  # a block filled up
                 self.kv.cache_full_blocks(req.request_id, req.all_token_ids, after)
-
-
-def now() -> float:
-    return time.monotonic()
