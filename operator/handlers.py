@@ -71,6 +71,11 @@ def _meta(body: kopf.Body) -> dict[str, Any]:
             "generation": m.get("generation")}
 
 
+def replica_counts(deployment: dict[str, Any]) -> dict[str, int]:
+    st = deployment.get("status") or {}
+    return {"replicas": st.get("replicas", 0) or 0, "readyReplicas": st.get("readyReplicas", 0) or 0}
+
+
 async def reconcile(body: kopf.Body, k: kube.Kube, logger: logging.Logger) -> dict[str, Any]:
     """Converge the children on the spec; returns the status patch. Safe to run any number of times."""
     meta = _meta(body)
@@ -105,6 +110,7 @@ async def reconcile(body: kopf.Body, k: kube.Kube, logger: logging.Logger) -> di
     if not enabled or scaling is None or scaling.get("reason") == "AutoscalingDisabled":
         conditions = scaling_condition(conditions, enabled, None, now, gen)  # the daemon refines it
     patch: dict[str, Any] = {
+        **replica_counts(deployment),  # always beside Ready, which is computed from the same counts
         "selector": resources.selector_string(name),
         "url": resources.service_url(meta, spec),
         "desiredReplicas": replicas,
@@ -213,10 +219,8 @@ async def autoscale_tick(body: kopf.Body, memo: kopf.Memo, scaler: Autoscaler | 
     old = dict(body.get("status") or {})
     conditions = deployment_conditions(list(old.get("conditions") or []), deployment, now, gen)
     conditions = scaling_condition(conditions, auto["enabled"], decision if auto["enabled"] else None, now, gen)
-    dep_status = deployment.get("status", {}) or {}
     status.update({
-        "replicas": dep_status.get("replicas", 0) or 0,
-        "readyReplicas": dep_status.get("readyReplicas", 0) or 0,
+        **replica_counts(deployment),
         "desiredReplicas": decision.desired if auto["enabled"] else current,
         "selector": resources.selector_string(name),
         "url": resources.service_url(meta, spec),
