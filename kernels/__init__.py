@@ -1,9 +1,11 @@
 """Paged KV-cache kernels with backend dispatch.
 
 The engine imports only from here. Triton runs when the tensors are on CUDA and triton is
-importable; the torch reference runs otherwise. ``KVPILOT_ATTENTION_BACKEND=triton|torch``
-forces one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``).
-Triton is optional: it is imported on first use only.
+importable. On the CPU, float32 attention goes to the native kernel (``cpu_native``: decode rows
+in C, built on first use; prefill chunks in torch SDPA) when a C compiler is there, and
+everything else to the torch reference. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
+one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``). Triton is
+optional: it is imported on first use only.
 
 Caller contract (both backends):
 - caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` and hold finite
@@ -23,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from . import reference
+from . import cpu_native, reference
 
 __all__ = [
     "store_kv",
@@ -31,6 +33,7 @@ __all__ = [
     "copy_blocks",
     "swap_blocks",
     "backend_for",
+    "attention_backend_for",
     "triton_available",
 ]
 
@@ -56,23 +59,43 @@ def triton_available() -> bool:
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """'triton' or 'torch' for a call on tensor ``t`` (env var first, then the device)."""
+    """'triton' or 'torch' for a call on tensor ``t`` (env var first, then the device). The CPU
+    attention choice between 'cpu' and 'torch' is ``attention_backend_for``."""
     forced = os.environ.get(_ENV, "").strip().lower()
-    if forced == "torch":
+    if forced in ("torch", "cpu"):
         return "torch"
     if forced == "triton":
         if _load_triton() is None:
             raise RuntimeError(f"{_ENV}=triton but triton cannot be imported: {_triton_error}")
         return "triton"
     if forced:
-        raise ValueError(f"{_ENV} must be 'triton' or 'torch', not {forced!r}")
+        raise ValueError(f"{_ENV} must be 'triton', 'cpu' or 'torch', not {forced!r}")
     if t.is_cuda and _load_triton() is not None:
         return "triton"
     return "torch"
 
 
+def attention_backend_for(query: torch.Tensor, k_cache: torch.Tensor) -> str:
+    """'triton', 'cpu' (native decode kernel) or 'torch' for a paged_attention call."""
+    backend = backend_for(query)
+    if backend == "triton":
+        return backend
+    forced = os.environ.get(_ENV, "").strip().lower()
+    if forced == "torch":
+        return "torch"
+    if cpu_native.supports(query, k_cache):
+        return "cpu"
+    if forced == "cpu":
+        raise RuntimeError(f"{_ENV}=cpu needs float32 CPU tensors and a built kernel "
+                           f"({cpu_native.build_error() or 'unsupported tensors'})")
+    return "torch"
+
+
 def _impl(t: torch.Tensor) -> ModuleType:
     return _triton_mod if backend_for(t) == "triton" else reference  # type: ignore[return-value]
+
+
+_ATTENTION_IMPLS = {"torch": reference, "cpu": cpu_native}
 
 
 def store_kv(
@@ -106,7 +129,9 @@ def paged_attention(
     runs first); its query rows are the last ``q_i`` positions. With ``sliding_window`` w a
     query at position p sees keys k with p - w < k <= p.
     """
-    return _impl(query).paged_attention(
+    backend = attention_backend_for(query, k_cache)
+    impl = _triton_mod if backend == "triton" else _ATTENTION_IMPLS[backend]
+    return impl.paged_attention(  # type: ignore[union-attr]
         query,
         k_cache,
         v_cache,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["store_kv", "paged_attention", "copy_blocks", "swap_blocks"]
+__all__ = ["store_kv", "paged_attention", "attend_prefill_chunks", "copy_blocks", "swap_blocks"]
 
 
 def store_kv(
@@ -188,16 +188,31 @@ def paged_attention(
             sliding_window,
         )
         out.index_copy_(0, rows, o.to(out.dtype))
-    starts = qsl.tolist()
-    ctx_l = ctx.tolist()
-    for i, n in enumerate(q_lens_l):
+    attend_prefill_chunks(query, k_cache, v_cache, block_tables, ctx, qsl, scale, sliding_window, out)
+    return out
+
+
+def attend_prefill_chunks(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Fill ``out`` for the sequences with more than one query token (one SDPA call each)."""
+    starts = query_start_loc.tolist()
+    ctx_l = context_lens.tolist()
+    for i in range(len(ctx_l)):
+        s, n = starts[i], starts[i + 1] - starts[i]
         if n <= 1:
             continue
-        s = starts[i]
         out[s : s + n] = _attend_chunk(
             query[s : s + n], k_cache, v_cache, block_tables[i], ctx_l[i], scale, sliding_window
         )
-    return out
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -296,6 +297,93 @@ def test_dispatch_torch_matches_reference(monkeypatch):
     monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "torch")
     case = make_case(*mixed_lens(16), kvh=2, group=3, d=64, bs=16, dtype=torch.float32, seed=5, fill=0.0)
     assert_close(K.paged_attention(*case.args()), dense_batch(case), torch.float32)
+
+
+# ------------------------------------------------------------------------------ native CPU kernel
+
+needs_cc = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler to build the CPU kernel"
+)
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    "group,d,bs,window",
+    [(1, 64, 16, None), (3, 64, 16, None), (8, 128, 32, None), (3, 64, 32, 5), (8, 64, 16, 40), (2, 256, 16, None)],
+)
+def test_native_cpu_matches_dense(group, d, bs, window):
+    from kvpilot.kernels import cpu_native
+
+    ctx, ql = mixed_lens(bs)
+    # NaN in every unused slot and -1 table padding: reading outside a context would show
+    case = make_case(ctx + [3 * bs], ql + [1], kvh=2, group=group, d=d, bs=bs, dtype=torch.float32, seed=group)
+    out = cpu_native.paged_attention(*case.args(), sliding_window=window)
+    assert_close(out, dense_batch(case, window), torch.float32)
+
+
+@needs_cc
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_native_cpu_random_ragged_and_threads(seed):
+    from kvpilot.kernels import cpu_native
+
+    bs = (16, 32)[seed % 2]
+    g = torch.Generator().manual_seed(seed)
+    ctx = [max(1, int(torch.randint(1, 12, (1,), generator=g)) * bs + int(torch.randint(-1, 2, (1,), generator=g)))
+           for _ in range(40)]
+    ql = [1] * 37 + [ctx[37], min(3, ctx[38]), 1]  # decode rows around two prefill chunks
+    case = make_case(ctx, ql, kvh=3, group=(1, 3, 8, 2)[seed], d=64, bs=bs, dtype=torch.float32, seed=seed)
+    want = dense_batch(case)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 5):  # rows are shared out among threads; each row is computed the same way
+            torch.set_num_threads(n)
+            assert_close(cpu_native.paged_attention(*case.args()), want, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_cc
+def test_native_cpu_out_rows_and_hints():
+    from kvpilot.kernels import cpu_native
+
+    case = make_case([1, 16, 17, 50], [1] * 4, kvh=3, group=3, d=64, bs=16, dtype=torch.float32, seed=1)
+    # a strided out buffer with an extra row past query_start_loc[-1]: that row stays untouched
+    buf = torch.full((5, 9, 128), 7.0)
+    out = buf[:, :, :64]
+    got = cpu_native.paged_attention(*case.args(), max_query_len=1, max_context_len=4096, out=out)
+    assert got is out
+    assert_close(out[:4], dense_batch(case), torch.float32)
+    assert bool((out[4] == 7.0).all()) and bool((buf[:, :, 64:] == 7.0).all())
+
+
+@needs_cc
+def test_dispatch_picks_native_cpu_for_float32(monkeypatch):
+    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+    f32 = make_case([20], [1], kvh=1, group=2, d=64, bs=16, dtype=torch.float32, seed=3, fill=0.0)
+    bf16 = make_case([20], [1], kvh=1, group=2, d=64, bs=16, dtype=torch.bfloat16, seed=3, fill=0.0)
+    assert K.attention_backend_for(f32.query, f32.k_cache) == "cpu"
+    assert K.attention_backend_for(bf16.query, bf16.k_cache) == "torch"  # the kernel is float32 only
+    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "torch")
+    assert K.attention_backend_for(f32.query, f32.k_cache) == "torch"
+    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "cpu")
+    assert_close(K.paged_attention(*f32.args()), dense_batch(f32), torch.float32)
+    with pytest.raises(RuntimeError, match="float32"):
+        K.paged_attention(*bf16.args())
+
+
+@needs_cc
+def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
+    # what a clean machine does on first use: compile, cache, load; KVPILOT_CPU_KERNEL=0 opts out
+    code = (
+        "import pathlib, sys; from kvpilot.kernels import cpu_native as c; "
+        "print(c.available(), len(list(pathlib.Path(sys.argv[1]).glob('kernels/*.so'))), c.build_error())"
+    )
+    env = dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), PYTHONSAFEPATH="1")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert r.stdout.split()[:2] == ["True", "1"], r.stdout + r.stderr
+    env["KVPILOT_CPU_KERNEL"] = "0"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert r.stdout.startswith("False 1 disabled"), r.stdout + r.stderr
 
 
 # ------------------------------------------------------------------------ Triton (interpreted) tests
