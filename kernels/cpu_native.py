@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.paths import cache_dir
+
 from . import reference
 
 __all__ = ["available", "supports", "paged_attention", "paged_decode", "build_error"]
@@ -33,14 +35,6 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
-
-
-def _cache_root() -> Path:
-    env = os.environ.get("KVPILOT_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvpilot"
 
 
 def _cpu_signature() -> str:
@@ -90,7 +84,7 @@ def _load() -> ctypes.CDLL | None:
             logger.info("native CPU attention kernel unavailable (%s); using the torch reference", _error)
             return None
         key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode())
-        target = _cache_root() / "kernels" / f"paged_decode_cpu-{key.hexdigest()[:16]}.so"
+        target = cache_dir() / "kernels" / f"paged_decode_cpu-{key.hexdigest()[:16]}.so"
         try:
             if not target.exists():
                 _build(target, cc)

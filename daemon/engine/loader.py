@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvpilot.paths import cache_dir
+
 from .config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -57,15 +59,6 @@ class LoadedModel:
     device: torch.device
     model_name: str
     path: Path | None = None
-
-
-def cache_dir() -> Path:
-    """Root of kvpilot's user cache (converted models live in ``models/`` below it)."""
-    env = os.environ.get("KVPILOT_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvpilot"
 
 
 # ----------------------------------------------------------------------------- sources
