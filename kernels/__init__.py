@@ -7,7 +7,7 @@ everything else to the torch reference. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|t
 one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``). Triton is
 optional: it is imported on first use only.
 
-Caller contract (both backends):
+Caller contract (every backend):
 - caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` and hold finite
   values (allocate with ``torch.zeros``): the reference masks unused slots by score, and a NaN
   left in a slot it gathers would still leak through ``0 * NaN``; Triton never reads them.
@@ -77,13 +77,10 @@ def backend_for(t: torch.Tensor) -> str:
 
 def attention_backend_for(query: torch.Tensor, k_cache: torch.Tensor) -> str:
     """'triton', 'cpu' (native decode kernel) or 'torch' for a paged_attention call."""
-    backend = backend_for(query)
-    if backend == "triton":
-        return backend
+    if backend_for(query) == "triton":  # also validates the variable
+        return "triton"
     forced = os.environ.get(_ENV, "").strip().lower()
-    if forced == "torch":
-        return "torch"
-    if cpu_native.supports(query, k_cache):
+    if forced != "torch" and cpu_native.supports(query, k_cache):
         return "cpu"
     if forced == "cpu":
         raise RuntimeError(f"{_ENV}=cpu needs float32 CPU tensors and a built kernel "
