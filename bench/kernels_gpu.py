@@ -7,7 +7,7 @@
 3. ``store_kv`` and ``copy_blocks`` bandwidth.
 
 Writes JSON to bench/results/kernels_gpu-<time>.json. Usage:
-    PYTHONSAFEPATH=1 .venv/bin/python bench/kernels_gpu.py [--quick] [--peak-tbps 4.8]
+    .venv/bin/python bench/kernels_gpu.py [--quick] [--peak-tbps 4.8]
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from .. import __version__
+from kvpilot.version import __version__
+
 from .args import DEFAULT_MODEL, add_serve_arguments, parse_size, resolve_serve_args
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .. import __version__
+from kvpilot.version import __version__
+
 from .args import ServeArgs
 from .async_engine import AsyncEngine
 from .metrics import CONTENT_TYPE, DaemonMetrics

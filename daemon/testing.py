@@ -21,7 +21,7 @@ class DaemonProcess:
     def __init__(self, *serve_args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1") -> None:
         self.serve_args = list(serve_args)
         self.host = host
-        self.env = {**os.environ, "PYTHONSAFEPATH": "1", **(env or {})}
+        self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="kvpilot-daemon-", suffix=".log", delete=False)

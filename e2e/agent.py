@@ -319,7 +319,7 @@ class NodeAgent:
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             # The container's CPU limit: more torch threads than CPUs collapses throughput.
             "OMP_NUM_THREADS": threads, "KVPILOT_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-            "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
             **env, **self.node_env,
         }
         command = list(ctr.get("command") or ["kvpilot"])

@@ -178,7 +178,7 @@ def node_model_cache() -> Path:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}
-    env.update(PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVPILOT_NUM_THREADS="1")
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVPILOT_NUM_THREADS="1")
     return env
 
 

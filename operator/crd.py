@@ -9,13 +9,14 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
 CRD_RESOURCE = "inferencedeployment-crd.yaml"
+CRD_PATH = Path(__file__).with_name(CRD_RESOURCE)
 
 # Mirrors the CEL rule on spec.model.uri in the CRD.
 URI_RE = re.compile(r"^(?:(?:hf|builtin)://[^/].*|pvc://[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:/.*)?|file:///.+)$")
@@ -24,7 +25,8 @@ MAX_NAME_LEN = 50
 
 @functools.cache
 def load_crd() -> dict[str, Any]:
-    text = resources.files("kvpilot.operator").joinpath(CRD_RESOURCE).read_text(encoding="utf-8")
+    # A file beside this module (package data), read by path: kvpilot.operator is a namespace package.
+    text = CRD_PATH.read_text(encoding="utf-8")
     return yaml.safe_load(text)
 
 

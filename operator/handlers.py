@@ -16,8 +16,9 @@ from typing import Any
 import aiohttp
 import kopf
 
-from kvpilot.operator import GROUP, PLURAL, VERSION, crd, kube, metrics, resources
+from kvpilot.operator import crd, kube, metrics, resources
 from kvpilot.operator.autoscaler import Autoscaler, Decision, Policy
+from kvpilot.operator.names import GROUP, PLURAL, VERSION
 from kvpilot.operator.scrape import scrape, split_pods
 from kvpilot.operator.status import (
     deployment_conditions,

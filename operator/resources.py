@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvpilot.operator import GROUP, KIND, VERSION
+from kvpilot.operator.names import GROUP, KIND, VERSION
 
 DAEMON_PORT = 8000
 CACHE_DIR = "/cache"

@@ -13,7 +13,7 @@ import pytest
 from kvpilot.daemon.args import DEFAULT_MODEL, parse_serve_args, parse_size
 
 CLI = [sys.executable, "-m", "kvpilot.daemon.cli"]
-ENV = {**os.environ, "PYTHONSAFEPATH": "1"}
+ENV = dict(os.environ)
 
 
 def run_cli(*args: str, timeout: float = 120, env: dict | None = None, stdin: str | None = None):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import pathlib
-from importlib import resources as importlib_resources
 from typing import Any
 
 import celpy
@@ -23,7 +22,7 @@ EXAMPLE = ROOT / "examples" / "inferencedeployment.yaml"
 def test_one_source_of_truth_for_the_crd():
     source = CRD_FILE.read_bytes()
     chart_copy = (ROOT / "charts" / "kvpilot" / "crds" / "inferencedeployment.yaml").read_bytes()
-    packaged = importlib_resources.files("kvpilot.operator").joinpath(crd.CRD_RESOURCE).read_bytes()
+    packaged = crd.CRD_PATH.read_bytes()
     assert chart_copy == source, "charts/kvpilot/crds/ differs from crds/: link it, do not copy"
     assert packaged == source, "the operator package's CRD differs from crds/"
 

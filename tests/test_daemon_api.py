@@ -282,12 +282,11 @@ def test_streaming_chat_n2(client):
 
 async def test_sse_wire_format(daemon):
     headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "my-trace-42"}
-    async with aiohttp.ClientSession() as s:
-        async with s.post(daemon.url("/v1/completions"), headers=headers,
-                          json={"prompt": "Hi", "max_tokens": 4, "stream": True, "logprobs": 1}) as r:
-            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-            assert r.headers["X-Request-Id"] == "my-trace-42"
-            raw = (await r.read()).decode()
+    async with aiohttp.ClientSession() as s, s.post(daemon.url("/v1/completions"), headers=headers,
+                      json={"prompt": "Hi", "max_tokens": 4, "stream": True, "logprobs": 1}) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        assert r.headers["X-Request-Id"] == "my-trace-42"
+        raw = (await r.read()).decode()
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"

@@ -378,7 +378,7 @@ def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
         "import pathlib, sys; from kvpilot.kernels import cpu_native as c; "
         "print(c.available(), len(list(pathlib.Path(sys.argv[1]).glob('kernels/*.so'))), c.build_error())"
     )
-    env = dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), PYTHONSAFEPATH="1")
+    env = dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
     assert r.stdout.split()[:2] == ["True", "1"], r.stdout + r.stderr
     env["KVPILOT_CPU_KERNEL"] = "0"
@@ -399,7 +399,7 @@ if not INTERPRETED:
     @pytest.mark.slow
     def test_kernels_under_triton_interpreter():
         pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONSAFEPATH="1")
+        env = dict(os.environ, TRITON_INTERPRET="1")
         env.pop("KVPILOT_ATTENTION_BACKEND", None)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_triton_", __file__]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

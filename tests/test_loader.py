@@ -32,7 +32,7 @@ def _resolve_in_subprocess(cache: Path) -> subprocess.Popen:
         print(p, time.perf_counter() - t)
         """
     )
-    env = {**os.environ, "KVPILOT_CACHE_DIR": str(cache), "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, "KVPILOT_CACHE_DIR": str(cache)}
     return subprocess.Popen(
         [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

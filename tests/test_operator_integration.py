@@ -183,7 +183,7 @@ async def test_python_m_entry_point_runs_the_operator(tmp_path):
     from operator_support.harness import write_kubeconfig
 
     async with cluster(tmp_path) as k:
-        env = {**os.environ, "KUBECONFIG": write_kubeconfig(tmp_path, k.url), "PYTHONSAFEPATH": "1"}
+        env = {**os.environ, "KUBECONFIG": write_kubeconfig(tmp_path, k.url)}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvpilot.operator", "-A", "--standalone", "--metrics-port", "0",
             "--log-level", "WARNING", env=env, cwd=str(tmp_path),

@@ -1,3 +1,0 @@
-"""kvpilot: Kubernetes-native LLM serving."""
-
-__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""kvpilot router: prefix- and load-aware routing across the daemons of one InferenceDeployment."""
