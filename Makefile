@@ -11,7 +11,7 @@ MODEL ?= builtin://smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test test-fast bench lint e2e demo clean
+.PHONY: install serve test test-fast bench lint e2e demo readme clean
 
 install: $(STAMP) $(HELM)
 
@@ -54,6 +54,10 @@ e2e: install
 
 demo: install
 	$(PY) e2e/demo.py
+
+# The README's `kvpilot serve` flag table, regenerated from --help (tests/test_readme.py checks it).
+readme: install
+	$(PY) tests/support/serve_flags.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -251,8 +251,10 @@ def main() -> int:
     works += [make_workload(args.num_prompts, args.seed + i, tokenizer, prompt_range, out_range)
               for i in range(len(rates))]
 
-    from kvpilot.daemon.testing import DaemonProcess
     from kvpilot.version import __version__
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helper lives there
+    from support.daemon_process import DaemonProcess
 
     result: dict = {
         "benchmark": "serving",

@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 
 from kvpilot.daemon.engine import LLM, EngineConfig, SamplingParams
-from kvpilot.daemon.engine.kv_cache import KVCacheManager
 from kvpilot.daemon.engine.loader import resolve_model_path
-from kvpilot.daemon.engine.request import Request, RequestStatus
 from kvpilot.daemon.engine.runner import cpu_threads
 from kvpilot.daemon.engine.scheduler import Scheduler
+from kvpilot.daemon.engine.sequence import Sequence, SequenceStatus
 from kvpilot.kernels import cpu_native
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -67,7 +66,7 @@ def bench_kvpilot(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
     while llm.engine.has_unfinished_requests():
         outs = llm.engine.step()
         steps += 1
-        stats = llm.engine.kv.stats()
+        stats = llm.engine.scheduler.kv_stats()
         if stats.num_allocated_slots:
             waste_samples.append(stats.waste)
         produced += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
@@ -181,18 +180,17 @@ def bench_shared_prefix(num_requests: int, prefix_len: int, vocab: int, seed: in
 def bench_bookkeeping(num_running: int = 256, steps: int = 200) -> dict:
     """Scheduler + KV manager time per decode step with `num_running` requests, no model in the loop."""
     config = EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=8192)
-    kv = KVCacheManager(num_blocks=num_running * 64, block_size=16, enable_prefix_caching=True)
-    sched = Scheduler(config, kv, max_model_len=4096)
+    sched = Scheduler(config, num_blocks=num_running * 64)
     rng = random.Random(0)
     for i in range(num_running):
-        sched.add_request(Request(f"r{i}", [rng.randint(0, 49151) for _ in range(rng.randint(32, 512))],
-                                  SamplingParams(max_tokens=1000)))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        sched.add_sequence(Sequence(f"r{i}", [rng.randint(0, 49151) for _ in range(rng.randint(32, 512))],
+                                    SamplingParams(max_tokens=1000)))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.sequences.values()):
         out = sched.schedule()  # prefill everyone, in chunks under the token budget
         sched.update_after_step(out)
         for e in out.scheduled:
             if e.completes_sequence:
-                e.request.append_output_token(1)
+                e.seq.append_output_token(1)
     timings = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -200,11 +198,12 @@ def bench_bookkeeping(num_running: int = 256, steps: int = 200) -> dict:
         sched.update_after_step(out)
         timings.append(time.perf_counter() - t0)
         for e in out.scheduled:  # the "model": one new token per request, outside the timed region
-            e.request.append_output_token(rng.randint(0, 49151))
+            e.seq.append_output_token(rng.randint(0, 49151))
         assert len(out.scheduled) == num_running
-    for r in list(sched.requests.values()):
-        sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
-    assert kv.num_free_blocks == kv.num_blocks
+    for s in list(sched.sequences.values()):
+        sched.finish_sequence(s, SequenceStatus.FINISHED_ABORTED)
+    kv = sched.kv_stats()
+    assert kv.num_free_blocks == kv.num_total_blocks
     return {"num_running": num_running, "steps": steps, "mean_ms": 1000 * statistics.mean(timings),
             "p99_ms": 1000 * sorted(timings)[int(0.99 * len(timings))]}
 

@@ -1,20 +1,27 @@
 """`kvpilot serve` settings: flags named as in `vllm serve`, each also settable as a KVPILOT_* variable.
 
 Precedence is flag > environment variable > default, so a container image can be configured with
-env vars alone while `kubectl exec ... kvpilot serve --port 9000` still wins.
+env vars alone while `kubectl exec ... kvpilot serve --port 9000` still wins. The engine flags are
+generated from EngineConfig's fields (help text from their metadata), so a new engine setting is a
+new flag without being declared twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
-from collections.abc import Mapping, Sequence
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from .engine.config import DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from .engine.config import DEFAULT_MODEL, EngineConfig
 
-DEFAULT_MODEL = "builtin://smollm2-135m"
+__all__ = ["DEFAULT_MODEL", "ServeArgs", "add_serve_arguments", "parse_serve_args", "parse_size",
+           "resolve_serve_args"]
+
 ENV_PREFIX = "KVPILOT_"
 
 _SIZE_UNITS = {
@@ -72,27 +79,13 @@ def parse_bool(text: str) -> bool:
 
 @dataclass
 class ServeArgs:
-    model: str = DEFAULT_MODEL
+    """The daemon's own settings; everything the engine reads is in `engine`."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: list[str] = field(default_factory=list)
-    # engine
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    swap_space: float = 1.0
-    seed: int = 0
-    # daemon
+    served_model_name: list[str] = field(default_factory=list)  # the first is reported; [] derives it
     max_queued_requests: int = 1024
     max_queued_tokens: int | None = None
     shutdown_timeout: float = 30.0
@@ -100,29 +93,87 @@ class ServeArgs:
     disable_log_requests: bool = False
 
     @property
-    def model_names(self) -> list[str]:
-        """Names a request may use in `model`; the first is the one reported and put on metrics."""
-        return list(self.served_model_name)
+    def model(self) -> str:
+        return self.engine.model
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            served_model_name=self.served_model_name[0] if self.served_model_name else None,
-            dtype=self.dtype,
-            device=self.device,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            kv_cache_memory=self.kv_cache_memory,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_kv_blocks=self.num_kv_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
-            scheduling_policy=self.scheduling_policy,
-            preemption_mode=self.preemption_mode,
-            swap_space=self.swap_space,
-            seed=self.seed,
-        )
+        """The engine's config, reporting the first served name when names were given."""
+        if not self.served_model_name:
+            return self.engine
+        return dataclasses.replace(self.engine, served_model_name=self.served_model_name[0])
+
+
+@dataclass(frozen=True)
+class _Flag:
+    """One `kvpilot serve` argument: argparse's keyword arguments plus where its value goes."""
+
+    dest: str
+    group: str  # "server" or "engine"
+    kwargs: dict[str, Any]
+    positional: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return [self.dest] if self.positional else ["--" + self.dest.replace("_", "-")]
+
+
+_SERVER_FLAGS = (
+    _Flag("host", "server", {"help": "address to bind (default 127.0.0.1; 0.0.0.0 in a pod)"}),
+    _Flag("port", "server", {"type": _port, "help": "port (default 8000)"}),
+    _Flag("api_key", "server", {"help": "require 'Authorization: Bearer KEY' on /v1/*"}),
+    _Flag("served_model_name", "server", {
+        "nargs": "+", "metavar": "NAME",
+        "help": "names clients may use in 'model'; the first one is reported (default: derived from MODEL, "
+                "e.g. smollm2-135m for builtin://smollm2-135m)"}),
+    _Flag("max_queued_requests", "server", {
+        "type": _positive_int, "help": "answer 429 once this many requests wait for their first token (default 1024)"}),
+    _Flag("max_queued_tokens", "server", {
+        "type": _positive_int,
+        "help": "answer 429 once the waiting requests' prompts hold this many tokens (default: no limit)"}),
+    _Flag("shutdown_timeout", "server", {
+        "type": _non_negative_float,
+        "help": "seconds in-flight requests may run after SIGTERM before they are aborted (default 30)"}),
+    _Flag("log_level", "server", {"choices": ["debug", "info", "warning", "error"], "help": "default info"}),
+    _Flag("disable_log_requests", "server", {
+        "action": argparse.BooleanOptionalAction, "default": None, "help": "do not write the per-request log line"}),
+)
+
+# Parsers for engine fields whose annotation alone says too little (sizes, ranges).
+_ENGINE_FIELD_TYPES: dict[str, Callable[[str], Any]] = {
+    "kv_cache_memory": parse_size,
+    "swap_space": _non_negative_float,
+    "gpu_memory_utilization": float,
+    "seed": int,
+}
+_DAEMON_ONLY = {"served_model_name"}  # a list in the server group; the engine gets its first name
+
+
+def _engine_flag(f: dataclasses.Field, hint: Any) -> _Flag:
+    """The flag of one EngineConfig field: type from the annotation, choices and help from metadata."""
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    kwargs: dict[str, Any] = {"help": f.metadata.get("help", "")}
+    if f.default is not dataclasses.MISSING and f.default is not None and f.name != "model":
+        kwargs["help"] += f" (default {f.default})"
+    if base is bool:
+        kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+    elif "choices" in f.metadata:
+        kwargs.update(type=base, choices=list(f.metadata["choices"]))
+    else:
+        kwargs["type"] = _ENGINE_FIELD_TYPES.get(f.name, _positive_int if base is int else base)
+    if f.name == "model":
+        kwargs.update(nargs="?", default=None, help=f"{kwargs['help']} (default {DEFAULT_MODEL}; env KVPILOT_MODEL)")
+        return _Flag("model", "engine", kwargs, positional=True)
+    return _Flag(f.name, "engine", kwargs)
+
+
+def _engine_flags() -> tuple[_Flag, ...]:
+    hints = typing.get_type_hints(EngineConfig)
+    return tuple(_engine_flag(f, hints[f.name]) for f in dataclasses.fields(EngineConfig)
+                 if f.name not in _DAEMON_ONLY)
+
+
+def _flags() -> tuple[_Flag, ...]:
+    return (*_SERVER_FLAGS, *_engine_flags())
 
 
 def env_name(dest: str) -> str:
@@ -131,60 +182,35 @@ def env_name(dest: str) -> str:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `kvpilot serve`. Every flag's env variable is KVPILOT_<DEST> (e.g. KVPILOT_MAX_NUM_SEQS)."""
-    p.add_argument("model", nargs="?", default=None,
-                   help=f"model URI: builtin://NAME, hf://org/name, pvc://claim/path or a local path "
-                        f"(default {DEFAULT_MODEL}; env KVPILOT_MODEL)")
-    g = p.add_argument_group("server")
-    g.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 in a pod)")
-    g.add_argument("--port", type=_port, help="port (default 8000)")
-    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
-    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="names clients may use in 'model'; the first one is reported (default: derived from MODEL)")
-    g.add_argument("--max-queued-requests", type=_positive_int,
-                   help="answer 429 once this many requests wait for their first token (default 1024)")
-    g.add_argument("--max-queued-tokens", type=_positive_int,
-                   help="answer 429 once the waiting requests' prompts hold this many tokens (default: no limit)")
-    g.add_argument("--shutdown-timeout", type=_non_negative_float,
-                   help="seconds in-flight requests may run after SIGTERM before they are aborted (default 30)")
-    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
-    g.add_argument("--disable-log-requests", action=argparse.BooleanOptionalAction, default=None,
-                   help="do not write the per-request log line")
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", choices=DTYPES)
-    e.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    e.add_argument("--block-size", type=int, choices=[8, 16, 32, 64, 128])
-    e.add_argument("--max-num-seqs", type=_positive_int)
-    e.add_argument("--max-num-batched-tokens", type=_positive_int)
-    e.add_argument("--max-model-len", type=_positive_int)
-    e.add_argument("--kv-cache-memory", type=parse_size, help="bytes for the KV cache (e.g. 256MiB)")
-    e.add_argument("--gpu-memory-utilization", type=float)
-    e.add_argument("--num-kv-blocks", type=_positive_int, help="fixed number of KV blocks (overrides memory sizing)")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    e.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES)
-    e.add_argument("--preemption-mode", choices=PREEMPTION_MODES)
-    e.add_argument("--swap-space", type=_non_negative_float, help="GiB of CPU memory for swapped-out blocks")
-    e.add_argument("--seed", type=int)
+    groups = {"server": p.add_argument_group("server"), "engine": p.add_argument_group("engine")}
+    for flag in _flags():
+        target = p if flag.positional else groups[flag.group]
+        target.add_argument(*flag.names, **flag.kwargs)
 
 
-def _env_converters(p: argparse.ArgumentParser) -> dict[str, object]:
-    """dest -> function turning an env string into the flag's value, taken from the parser itself."""
-    conv: dict[str, object] = {}
-    for action in p._actions:
-        if action.dest in ("help", argparse.SUPPRESS):
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            conv[action.dest] = parse_bool
-        elif action.nargs in ("+", "*"):
-            conv[action.dest] = lambda s, t=action.type: [(t or str)(x) for x in re.split(r"[,\s]+", s.strip()) if x]
-        else:
-            conv[action.dest] = action.type or str
-        if action.choices is not None:
-            conv[action.dest] = _checked(conv[action.dest], action.choices)
-    return conv
+def _env_converter(flag: _Flag) -> Callable[[str], Any]:
+    """The function turning a KVPILOT_* string into the flag's value."""
+    kw = flag.kwargs
+    if kw.get("action") is argparse.BooleanOptionalAction:
+        convert: Callable[[str], Any] = parse_bool
+    elif kw.get("nargs") in ("+", "*"):
+        convert = _list_of(kw.get("type", str))
+    else:
+        convert = kw.get("type", str)
+    if kw.get("choices") is not None:
+        convert = _checked(convert, kw["choices"])
+    return convert
 
 
-def _checked(fn, choices):
-    def convert(text):
+def _list_of(item: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """A list flag's env form: items separated by commas or whitespace."""
+    def convert(text: str) -> list[Any]:
+        return [item(x) for x in re.split(r"[,\s]+", text.strip()) if x]
+    return convert
+
+
+def _checked(fn: Callable[[str], Any], choices: Sequence[Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
         value = fn(text)
         values = value if isinstance(value, list) else [value]
         for v in values:
@@ -198,22 +224,25 @@ def resolve_serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser,
                        environ: Mapping[str, str] | None = None) -> ServeArgs:
     """Merge parsed flags with KVPILOT_* variables and defaults. Bad env values exit like bad flags."""
     environ = os.environ if environ is None else environ
-    args = ServeArgs()
-    conv = _env_converters(parser)
-    for dest, fn in conv.items():
-        value = getattr(ns, dest, None)
-        if value is None and env_name(dest) in environ:
-            raw = environ[env_name(dest)]
+    args, engine_values = ServeArgs(), {}
+    for flag in _flags():
+        value = getattr(ns, flag.dest, None)
+        if value is None and env_name(flag.dest) in environ:
+            raw = environ[env_name(flag.dest)]
             try:
-                value = fn(raw)  # type: ignore[operator]
+                value = _env_converter(flag)(raw)
             except (argparse.ArgumentTypeError, ValueError) as exc:
-                parser.error(f"{env_name(dest)}={raw!r}: {exc}")
-        if value is not None and hasattr(args, dest):
-            setattr(args, dest, value)
+                parser.error(f"{env_name(flag.dest)}={raw!r}: {exc}")
+        if value is None:
+            continue
+        if flag.group == "engine":
+            engine_values[flag.dest] = value
+        else:
+            setattr(args, flag.dest, value)
     if not args.api_key:
         args.api_key = None
     try:
-        args.engine_config()
+        args.engine = EngineConfig(**engine_values)  # its own checks: bad combinations exit like bad flags
     except ValueError as exc:
         parser.error(str(exc))
     return args

@@ -9,19 +9,21 @@ reads (queue length, active requests, timings) lives on the event loop side, so 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import enum
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from .engine.config import EngineConfig
-from .engine.request import RequestOutput
+from .engine.input_processor import InputLimits, InputProcessor
+from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
-from .protocol import APIError
+from .errors import EngineDead, EngineNotReady, EngineQueueFull
 
 log = logging.getLogger("kvpilot.daemon.engine_loop")
 
@@ -33,15 +35,47 @@ class EngineState(enum.Enum):
     STOPPED = "stopped"
 
 
+class Engine(Protocol):
+    """What the bridge needs from an engine (LLMEngine, or a test double wrapping one)."""
+
+    config: EngineConfig
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
+                    priority: int = 0) -> None: ...
+    def abort_request(self, request_id: str | Iterable[str]) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def get_stats(self) -> Any: ...
+    def warmup(self) -> None: ...
+
+
+class EngineMetrics(Protocol):
+    """The latency and admission hooks the bridge reports to (DaemonMetrics)."""
+
+    @property
+    def recent_e2e(self) -> float | None: ...
+    def rejected(self, reason: str) -> None: ...
+    def observe_ttft(self, seconds: float) -> None: ...
+    def observe_itl(self, seconds: float) -> None: ...
+    def request_finished(self, e2e_seconds: float, finish_reasons: list[str], *, prompt_tokens: int = 0,
+                         generation_tokens: int = 0) -> None: ...
+
+
 @dataclass
-class EngineRequest:
+class Submission:
+    """One prompt of a user request, handed to the engine as one engine request."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
 
 
-# Items a request's sink receives, besides RequestOutput.
+# Items a submission's sink receives, besides RequestOutput and an EngineDead exception.
 @dataclass
 class Accepted:
     request_ids: list[str]
@@ -49,8 +83,7 @@ class Accepted:
 
 @dataclass
 class Rejected:
-    message: str
-    internal: bool = False  # an engine error rather than bad input
+    error: Exception  # what the engine's add_request raised
 
 
 @dataclass
@@ -60,13 +93,8 @@ class Aborted:
 
 
 @dataclass
-class EngineDead:
-    message: str
-
-
-@dataclass
 class _Add:
-    requests: list[EngineRequest]
+    submissions: list[Submission]
     sink: asyncio.Queue
 
 
@@ -76,8 +104,8 @@ class _Abort:
 
 
 @dataclass
-class _Tracked:
-    """Event-loop-side state of one engine request."""
+class _InFlight:
+    """Event-loop-side bookkeeping of one submission until it finishes."""
 
     sink: asyncio.Queue
     num_prompt_tokens: int
@@ -86,15 +114,14 @@ class _Tracked:
     first_token_time: float | None = None
     last_token_time: float | None = None
     tokens_seen: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class AsyncEngine:
     """Owns the engine thread. Construct on the event loop; `await start()` loads the model."""
 
     def __init__(self, config: EngineConfig, *, max_queued_requests: int = 1024,
-                 max_queued_tokens: int | None = None, metrics: Any = None,
-                 engine_factory: Callable[[EngineConfig], Any] | None = None) -> None:
+                 max_queued_tokens: int | None = None, metrics: EngineMetrics | None = None,
+                 engine_factory: Callable[[EngineConfig], Engine] | None = None) -> None:
         self.config = config
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
@@ -103,6 +130,7 @@ class AsyncEngine:
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.tokenizer: Any = None  # a copy for the event loop: HF tokenizers are not safe to share
+        self.input_processor: InputProcessor | None = None  # set once the model has loaded
         self.model_name: str = config.served_model_name or config.model
         self.max_model_len: int = 0
         self.kv_capacity_tokens: int = 0
@@ -114,7 +142,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started: asyncio.Future | None = None
-        self._tracked: dict[str, _Tracked] = {}
+        self._in_flight: dict[str, _InFlight] = {}
         self.num_queued = 0
         self.num_queued_tokens = 0
 
@@ -148,64 +176,62 @@ class AsyncEngine:
 
     @property
     def num_active(self) -> int:
-        return len(self._tracked)
+        return len(self._in_flight)
 
     # ---- event loop API ------------------------------------------------------------------------
 
-    def check_accepting(self) -> None:
+    def check_accepting(self) -> InputProcessor:
+        """The input processor of the loaded model; EngineNotReady/EngineDead when there is none."""
         if self.state is EngineState.LOADING:
-            raise APIError("the model is still loading; retry shortly", status=503,
-                           type="service_unavailable_error", code="model_loading", headers={"Retry-After": "5"})
-        if self.state is not EngineState.READY:
-            raise APIError(f"the engine is not running ({self.error or self.state.value})", status=503,
-                           type="service_unavailable_error", code="engine_dead")
+            raise EngineNotReady("the model is still loading; retry shortly")
+        if self.state is not EngineState.READY or self.input_processor is None:
+            raise EngineDead(f"the engine is not running ({self.error or self.state.value})")
+        return self.input_processor
 
-    def submit(self, requests: list[EngineRequest], sink: asyncio.Queue) -> None:
-        """Queue requests for the engine; the sink gets Accepted or Rejected first, then outputs.
+    def submit(self, submissions: list[Submission], sink: asyncio.Queue) -> None:
+        """Queue prompts for the engine; the sink gets Accepted or Rejected first, then outputs.
 
-        Raises APIError 429 when the waiting queue is full: work that cannot be held is refused here,
-        before it reaches the engine.
+        Raises EngineQueueFull when the waiting queue is full: work that cannot be held is refused
+        here, before it reaches the engine.
         """
         self.check_accepting()
-        k = len(requests)
-        tokens = sum(len(r.prompt_token_ids) for r in requests)
+        k = len(submissions)
+        tokens = sum(len(s.prompt_token_ids) for s in submissions)
         full = self.num_queued + k > self.max_queued_requests
         if not full and self.max_queued_tokens is not None and self.num_queued > 0:
             full = self.num_queued_tokens + tokens > self.max_queued_tokens
         if full:
             if self.metrics is not None:
                 self.metrics.rejected("queue_full")
-            raise APIError(f"server is overloaded: {self.num_queued} requests are waiting "
-                           f"(limit {self.max_queued_requests}); retry later",
-                           status=429, type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(self.retry_after())})
+            raise EngineQueueFull(f"server is overloaded: {self.num_queued} requests are waiting "
+                                  f"(limit {self.max_queued_requests}); retry later", self.retry_after())
         now = time.monotonic()
-        for r in requests:
-            self._tracked[r.request_id] = _Tracked(sink, len(r.prompt_token_ids), now)
+        for s in submissions:
+            self._in_flight[s.request_id] = _InFlight(sink, len(s.prompt_token_ids), now)
         self.num_queued += k
         self.num_queued_tokens += tokens
-        self._send(_Add(requests, sink))
+        self._send(_Add(submissions, sink))
 
     def abort(self, request_ids: Iterable[str], reason: str | None = None) -> None:
         """Stop requests and free their KV blocks. With a reason, their sinks get Aborted(reason)."""
-        ids = [rid for rid in request_ids if rid in self._tracked]
+        ids = [rid for rid in request_ids if rid in self._in_flight]
         if not ids:
             return
         for rid in ids:
-            tr = self._untrack(rid)
-            if reason is not None and tr is not None:
-                tr.sink.put_nowait(Aborted(rid, reason))
+            fl = self._forget(rid)
+            if reason is not None and fl is not None:
+                fl.sink.put_nowait(Aborted(rid, reason))
         if self.state is EngineState.READY:
             self._send(_Abort(ids))
 
     def abort_all(self, reason: str) -> int:
-        ids = list(self._tracked)
+        ids = list(self._in_flight)
         self.abort(ids, reason)
         return len(ids)
 
     def retry_after(self) -> int:
         """Seconds a rejected client should wait: about one request's service time, at least 1."""
-        e2e = getattr(self.metrics, "recent_e2e", None) if self.metrics is not None else None
+        e2e = self.metrics.recent_e2e if self.metrics is not None else None
         return max(1, min(30, round(e2e or 1.0)))
 
     # ---- internals: event loop side ---------------------------------------------------------------
@@ -215,48 +241,55 @@ class AsyncEngine:
             self._cmds.append(cmd)
             self._cond.notify()
 
-    def _untrack(self, rid: str) -> _Tracked | None:
-        tr = self._tracked.pop(rid, None)
-        if tr is not None and tr.queued:
-            tr.queued = False
-            self.num_queued -= 1
-            self.num_queued_tokens -= tr.num_prompt_tokens
-        return tr
+    def _forget(self, rid: str) -> _InFlight | None:
+        fl = self._in_flight.pop(rid, None)
+        if fl is not None:
+            self._dequeue(fl)
+        return fl
 
-    def _deliver(self, acks: list[tuple[_Add, str | None, bool]], outputs: list[RequestOutput], t: float) -> None:
-        for cmd, error, internal in acks:
-            ids = [r.request_id for r in cmd.requests]
+    def _dequeue(self, fl: _InFlight) -> None:
+        """The submission has left the waiting queue (first output, or gone)."""
+        if fl.queued:
+            fl.queued = False
+            self.num_queued -= 1
+            self.num_queued_tokens -= fl.num_prompt_tokens
+
+    def _deliver(self, acks: list[tuple[_Add, Exception | None]], outputs: list[RequestOutput], t: float) -> None:
+        for cmd, error in acks:
+            ids = [s.request_id for s in cmd.submissions]
             if error is None:
                 cmd.sink.put_nowait(Accepted(ids))
-            else:
-                if any(rid in self._tracked for rid in ids):
-                    cmd.sink.put_nowait(Rejected(error, internal))
-                for rid in ids:
-                    self._untrack(rid)
-        for out in outputs:
-            tr = self._tracked.get(out.request_id)
-            if tr is None:  # aborted while the step ran
                 continue
-            if tr.queued:
-                tr.queued = False
-                self.num_queued -= 1
-                self.num_queued_tokens -= tr.num_prompt_tokens
-            ntok = sum(len(o.token_ids) for o in out.outputs)
-            if ntok > tr.tokens_seen:
-                if tr.first_token_time is None:
-                    tr.first_token_time = t
-                    if self.metrics is not None:
-                        self.metrics.observe_ttft(t - tr.arrival)
-                elif self.metrics is not None and tr.last_token_time is not None:
-                    self.metrics.observe_itl(t - tr.last_token_time)
-                tr.last_token_time = t
-                tr.tokens_seen = ntok
-            tr.sink.put_nowait(out)
+            if any(rid in self._in_flight for rid in ids):
+                cmd.sink.put_nowait(Rejected(error))
+            for rid in ids:
+                self._forget(rid)
+        for out in outputs:
+            fl = self._in_flight.get(out.request_id)
+            if fl is None:  # aborted while the step ran
+                continue
+            self._dequeue(fl)
+            self._observe_tokens(fl, out, t)
+            fl.sink.put_nowait(out)
             if out.finished:
-                del self._tracked[out.request_id]
+                del self._in_flight[out.request_id]
                 if self.metrics is not None:
                     reasons = [o.finish_reason or "abort" for o in out.outputs]
-                    self.metrics.request_finished(t - tr.arrival, reasons)
+                    self.metrics.request_finished(t - fl.arrival, reasons, prompt_tokens=len(out.prompt_token_ids),
+                                                  generation_tokens=sum(len(o.token_ids) for o in out.outputs))
+
+    def _observe_tokens(self, fl: _InFlight, out: RequestOutput, t: float) -> None:
+        ntok = sum(len(o.token_ids) for o in out.outputs)
+        if ntok <= fl.tokens_seen:
+            return
+        if fl.first_token_time is None:
+            fl.first_token_time = t
+            if self.metrics is not None:
+                self.metrics.observe_ttft(t - fl.arrival)
+        elif self.metrics is not None and fl.last_token_time is not None:
+            self.metrics.observe_itl(t - fl.last_token_time)
+        fl.last_token_time = t
+        fl.tokens_seen = ntok
 
     def _on_loaded(self, info: dict[str, Any]) -> None:
         self.tokenizer = info["tokenizer"]
@@ -264,17 +297,19 @@ class AsyncEngine:
         self.max_model_len = info["max_model_len"]
         self.kv_capacity_tokens = info["kv_capacity_tokens"]
         self.vocab_size = info["vocab_size"]
+        limits = InputLimits(self.max_model_len, self.vocab_size, self.kv_capacity_tokens or None)
+        self.input_processor = InputProcessor(self.tokenizer, limits)
         self.state = EngineState.READY
         if self._started is not None and not self._started.done():
             self._started.set_result(None)
 
-    def _on_dead(self, message: str, during_load: bool) -> None:
+    def _on_dead(self, message: str) -> None:
         self.state = EngineState.DEAD
         self.error = message
-        for rid in list(self._tracked):
-            tr = self._untrack(rid)
-            if tr is not None:
-                tr.sink.put_nowait(EngineDead(message))
+        for rid in list(self._in_flight):
+            fl = self._forget(rid)
+            if fl is not None:
+                fl.sink.put_nowait(EngineDead(f"the engine stopped: {message}"))
         if self._started is not None and not self._started.done():
             self._started.set_exception(RuntimeError(f"engine failed to load: {message}"))
 
@@ -282,46 +317,47 @@ class AsyncEngine:
 
     def _call_loop(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the process is exiting
             self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: the process is exiting
-            pass
+
+    def _load(self) -> tuple[Engine, dict[str, Any]]:
+        factory = self._factory
+        if factory is None:
+            from .engine import LLMEngine
+
+            factory = LLMEngine
+        engine = factory(self.config)
+        engine.warmup()
+        stats = engine.get_stats()
+        self.stats = stats
+        try:
+            tokenizer = copy.deepcopy(engine.tokenizer)
+        except Exception:  # some tokenizers do not deep-copy; sharing read-only encode is still fine
+            tokenizer = engine.tokenizer
+        info = {
+            "tokenizer": tokenizer,
+            "model_name": engine.model_name,
+            "max_model_len": int(engine.max_model_len),
+            "kv_capacity_tokens": int(stats.num_total_blocks) * int(engine.config.block_size),
+            "vocab_size": int(engine.vocab_size),
+        }
+        return engine, info
 
     def _thread_main(self) -> None:
         try:
-            factory = self._factory
-            if factory is None:
-                from .engine import LLMEngine
-
-                factory = LLMEngine
-            engine = factory(self.config)
-            engine.warmup()
-            stats = engine.get_stats()
-            self.stats = stats
-            try:
-                tokenizer = copy.deepcopy(engine.tokenizer)
-            except Exception:  # some tokenizers do not deep-copy; sharing read-only encode is still fine
-                tokenizer = engine.tokenizer
-            block_size = getattr(getattr(engine, "config", None), "block_size", self.config.block_size)
-            info = {
-                "tokenizer": tokenizer,
-                "model_name": engine.model_name,
-                "max_model_len": int(engine.max_model_len),
-                "kv_capacity_tokens": int(stats.num_total_blocks) * int(block_size),
-                "vocab_size": int(getattr(engine, "vocab_size", None) or len(tokenizer)),
-            }
+            engine, info = self._load()
         except BaseException as exc:  # noqa: BLE001 - any failure to load is reported, not raised
             log.exception("engine failed to load")
-            self._call_loop(self._on_dead, f"{type(exc).__name__}: {exc}", True)
+            self._call_loop(self._on_dead, f"{type(exc).__name__}: {exc}")
             return
         self._call_loop(self._on_loaded, info)
         try:
             self._engine_loop(engine)
         except BaseException as exc:  # noqa: BLE001
             log.exception("engine loop crashed")
-            self._call_loop(self._on_dead, f"{type(exc).__name__}: {exc}", False)
+            self._call_loop(self._on_dead, f"{type(exc).__name__}: {exc}")
 
-    def _engine_loop(self, engine: Any) -> None:
+    def _engine_loop(self, engine: Engine) -> None:
         while True:
             with self._cond:
                 while not self._cmds and not self._stop and not engine.has_unfinished_requests():
@@ -329,15 +365,13 @@ class AsyncEngine:
                 if self._stop:
                     return
                 cmds, self._cmds = self._cmds, []
-            acks: list[tuple[_Add, str | None, bool]] = []
+            acks: list[tuple[_Add, Exception | None]] = []
             for cmd in cmds:
                 if isinstance(cmd, _Add):
-                    acks.append((cmd, *self._add(engine, cmd)))
+                    acks.append((cmd, self._add(engine, cmd)))
                 else:
-                    try:
+                    with contextlib.suppress(KeyError, ValueError):  # already finished: nothing to free
                         engine.abort_request(cmd.request_ids)
-                    except (KeyError, ValueError):  # already finished: nothing to free
-                        pass
             outputs = engine.step() if engine.has_unfinished_requests() else []
             t = time.monotonic()
             self.stats = engine.get_stats()
@@ -345,18 +379,17 @@ class AsyncEngine:
                 self._call_loop(self._deliver, acks, outputs, t)
 
     @staticmethod
-    def _add(engine: Any, cmd: _Add) -> tuple[str | None, bool]:
-        """Add all of a command's requests or none of them. Returns (error, is_internal)."""
+    def _add(engine: Engine, cmd: _Add) -> Exception | None:
+        """Add all of a command's submissions or none of them. Returns what add_request raised."""
         added: list[str] = []
         try:
-            for r in cmd.requests:
-                engine.add_request(r.request_id, r.prompt_token_ids, r.params, priority=r.priority)
-                added.append(r.request_id)
+            for s in cmd.submissions:
+                engine.add_request(s.request_id, s.prompt_token_ids, s.params, priority=s.priority)
+                added.append(s.request_id)
         except Exception as exc:  # noqa: BLE001 - a bad request must never stop the loop
             if added:
                 engine.abort_request(added)
-            internal = not isinstance(exc, ValueError | TypeError)
-            if internal:
+            if not isinstance(exc, ValueError | TypeError):
                 log.exception("add_request failed")
-            return str(exc) or type(exc).__name__, internal
-        return None, False
+            return exc
+        return None

@@ -9,10 +9,12 @@ from collections.abc import Sequence
 
 from kvpilot.version import __version__
 
-from .args import DEFAULT_MODEL, add_serve_arguments, parse_size, resolve_serve_args
+from .args import add_serve_arguments, parse_size, resolve_serve_args
+from .engine.config import DEFAULT_MODEL
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `kvpilot` parser and its `serve` subparser (which resolves flags against KVPILOT_* variables)."""
     p = argparse.ArgumentParser(prog="kvpilot", description="Kubernetes-native LLM serving.")
     p.add_argument("--version", action="version", version=f"kvpilot {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -37,7 +39,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-memory", type=parse_size, default=None)
     op = sub.add_parser("operator", help="run the Kubernetes operator (arguments go to it)", add_help=False)
     op.add_argument("operator_args", nargs=argparse.REMAINDER)
-    return p
+    return p, serve
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -77,14 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvpilot.operator.__main__ import main as operator_main
 
         return operator_main(argv[1:]) or 0
-    parser = _build_parser()
+    parser, serve_parser = _build_parser()
     ns = parser.parse_args(argv)
     if ns.command is None:
         parser.print_help()
         return 2
     if ns.command == "generate":
         return _generate(ns)
-    serve_parser = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     args = resolve_serve_args(ns, serve_parser)
     from .server import serve, setup_logging
 

@@ -23,6 +23,21 @@ ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0)
 
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def one_two_five_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit: vLLM's token-count buckets."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+TOKEN_BUCKETS = one_two_five_buckets(2_000_000)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -46,6 +61,7 @@ class _EngineStatsCollector(Collector):
             c.add_metric(name, float(value))
             return c
 
+        yield from self._config_infos(stats)
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage: fraction of blocks in use (1 = full).",
                     stats.kv_cache_usage)
         yield gauge("kvpilot:kv_cache_token_usage_perc",
@@ -65,12 +81,29 @@ class _EngineStatsCollector(Collector):
         yield counter("vllm:generation_tokens_total", "Tokens generated.", stats.generation_tokens_total)
 
 
+    def _config_infos(self, stats: Any):
+        """The info gauges gateways read (the Inference Extension's endpoint picker): labels carry the
+        facts, as in vLLM (no model_name label there either)."""
+        cache = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        cache.add_metric([str(self.owner.block_size), str(int(stats.num_total_blocks)),
+                          str(self.owner.enable_prefix_caching)], 1.0)
+        yield cache
+        # no LoRA support yet: max_lora 0 and no adapters; the value is a timestamp, as vLLM's
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        lora.add_metric(["0", "", ""], time.time())
+        yield lora
+
+
 class DaemonMetrics:
     """Everything /metrics shows. `model_name` is set once the engine has loaded."""
 
     def __init__(self, model_name: str = "", *, stats_fn: Callable[[], Any] = lambda: None,
                  queued_fn: Callable[[], int] = lambda: 0) -> None:
         self.model_name = model_name
+        self.block_size = 0  # set by the server from the engine config
+        self.enable_prefix_caching = False
         self.stats_fn = stats_fn
         self.queued_fn = queued_fn
         self.registry = CollectorRegistry(auto_describe=True)
@@ -81,6 +114,13 @@ class DaemonMetrics:
                               labels, buckets=ITL_BUCKETS, registry=self.registry)
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
                               labels, buckets=E2E_BUCKETS, registry=self.registry)
+        self._prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                        labels, buckets=TOKEN_BUCKETS, registry=self.registry)
+        self._generation_tokens = Histogram("vllm:request_generation_tokens",
+                                            "Number of generation tokens processed.", labels,
+                                            buckets=TOKEN_BUCKETS, registry=self.registry)
+        self._params_n = Histogram("vllm:request_params_n", "The n request parameter.", labels,
+                                   buckets=PARAMS_N_BUCKETS, registry=self.registry)
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._rejected = Counter("kvpilot:requests_rejected", "Requests refused before reaching the engine.",
@@ -94,8 +134,13 @@ class DaemonMetrics:
     def observe_itl(self, seconds: float) -> None:
         self._itl.labels(self.model_name).observe(seconds)
 
-    def request_finished(self, e2e_seconds: float, finish_reasons: list[str]) -> None:
+    def request_finished(self, e2e_seconds: float, finish_reasons: list[str], *, prompt_tokens: int = 0,
+                         generation_tokens: int = 0) -> None:
+        """One engine request (one prompt) finished; finish_reasons has one entry per output (n)."""
         self._e2e.labels(self.model_name).observe(e2e_seconds)
+        self._prompt_tokens.labels(self.model_name).observe(prompt_tokens)
+        self._generation_tokens.labels(self.model_name).observe(generation_tokens)
+        self._params_n.labels(self.model_name).observe(len(finish_reasons))
         self._recent_e2e.append((time.monotonic(), e2e_seconds))
         for reason in finish_reasons:
             self._success.labels(self.model_name, reason).inc()

@@ -19,6 +19,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_BATCH_PROMPTS = 256
 MAX_STOP_STRINGS = 64
+MAX_LOGIT_BIAS = 1024
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -26,13 +27,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 class APIError(Exception):
     """An error answered to the client with an OpenAI-style body."""
 
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+    def __init__(self, message: str, *, status: int = 400, error_type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
-        self.type = type
+        self.type = error_type
         self.param = param
         self.code = code
         self.headers = headers or {}
@@ -45,7 +46,7 @@ def invalid(param: str | None, message: str, code: str = "invalid_value") -> API
     return APIError(message, param=param, code=code)
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
+def parse_json_body(raw: bytes | str) -> dict[str, Any]:
     """The request body as a JSON object; NaN/Infinity and non-objects are rejected."""
 
     def no_constants(name: str) -> Any:
@@ -214,8 +215,29 @@ def _reject_unsupported(f: _Fields, names: tuple[str, ...]) -> None:
             raise invalid(name, f"'{name}' is not supported by this server", "unsupported_parameter")
 
 
+def _logit_bias(f: _Fields) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} map, as {int: float}; ids in the vocabulary are checked later."""
+    lb = f.obj("logit_bias")
+    if not lb:
+        return None
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise invalid("logit_bias", f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries, got {len(lb)}")
+    out: dict[int, float] = {}
+    for key, bias in lb.items():
+        k = key.strip()
+        if not k.isascii() or not k.isdigit() or len(k) > 12:
+            raise invalid("logit_bias", f"'logit_bias' keys must be token ids (non-negative integers), got {key!r}")
+        if not _is_num(bias):
+            raise invalid("logit_bias", f"'logit_bias' values must be numbers, got {_type_name(bias)} for {key!r}",
+                          "invalid_type")
+        if not -100 <= bias <= 100:
+            raise invalid("logit_bias", f"'logit_bias' values must be in [-100, 100], got {bias} for {key!r}")
+        out[int(k)] = float(bias)
+    return out
+
+
 def _common_sampling(f: _Fields, *, n: int, max_tokens: int | None, logprobs: int | None,
-                     best_of: int | None = None) -> SamplingParams:
+                     best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Fields shared by both routes, vLLM's extra parameters included."""
     temperature = f.number("temperature", 1.0, 0.0, 2.0)
     top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
@@ -236,17 +258,16 @@ def _common_sampling(f: _Fields, *, n: int, max_tokens: int | None, logprobs: in
         raise invalid("min_tokens", f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})")
     if best_of is not None and best_of < n:
         raise invalid("best_of", f"'best_of' ({best_of}) must be >= n ({n})")
-    lb = f.body.get("logit_bias")
-    if lb is not None and not isinstance(lb, dict):
-        raise invalid("logit_bias", "'logit_bias' must be an object", "invalid_type")
-    _reject_unsupported(f, ("logit_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar"))
+    logit_bias = _logit_bias(f)
+    prompt_logprobs = f.integer("prompt_logprobs", prompt_logprobs, 0, MAX_LOGPROBS)
+    _reject_unsupported(f, ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))
     try:
         return SamplingParams(
             n=n, best_of=best_of, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
             presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
             stop=stop or None, stop_token_ids=stop_token_ids, include_stop_str_in_output=include_stop,
             ignore_eos=ignore_eos, max_tokens=max_tokens, min_tokens=min_tokens, logprobs=logprobs,
-            skip_special_tokens=skip_special,
+            skip_special_tokens=skip_special, logit_bias=logit_bias, prompt_logprobs=prompt_logprobs,
         )
     except (ValueError, TypeError) as exc:  # backstop: the engine's own checks
         raise invalid(None, str(exc)) from None
@@ -274,11 +295,10 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     max_tokens_set = body.get("max_tokens") is not None
     max_tokens = f.integer("max_tokens", 16, 1)
     logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise invalid("echo", "'echo' together with 'logprobs' (prompt logprobs) is not supported",
-                      "unsupported_parameter")
     _reject_unsupported(f, ("suffix",))
-    params = _common_sampling(f, n=n, max_tokens=max_tokens, logprobs=logprobs, best_of=best_of)
+    # echo with logprobs scores the prompt too (vLLM: prompt_logprobs = logprobs)
+    params = _common_sampling(f, n=n, max_tokens=max_tokens, logprobs=logprobs, best_of=best_of,
+                              prompt_logprobs=logprobs if echo and logprobs is not None else None)
     return CompletionRequest(model=model, prompts=prompts, params=params, stream=stream,
                              stream_options=stream_options, echo=echo, logprobs=logprobs,
                              priority=_priority(f), max_tokens_set=max_tokens_set)
@@ -356,6 +376,11 @@ def _messages(v: Any) -> list[dict[str, Any]]:
             clean["name"] = msg["name"]
         out.append(clean)
     return out
+
+
+def parse_messages(v: Any) -> list[dict[str, Any]]:
+    """Chat messages, checked and normalized (text content only)."""
+    return _messages(v)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -17,9 +18,13 @@ from kvpilot.version import __version__
 
 from .args import ServeArgs
 from .async_engine import AsyncEngine
+from .http_errors import to_api_error
 from .metrics import CONTENT_TYPE, DaemonMetrics
 from .protocol import APIError
-from .serving import KV_LOG, KV_START, OpenAIServing
+from .request_log import REQUEST_LOG_FIELDS, REQUEST_STARTED_AT
+from .served_names import served_names
+from .serving import OpenAIServing
+from .tokenize_routes import TokenizeRoutes
 
 log = logging.getLogger("kvpilot.daemon")
 request_log = logging.getLogger("kvpilot.daemon.requests")
@@ -28,7 +33,6 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
                      415: "unsupported_media_type"}
 
-ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 STATE_KEY = web.AppKey("state", object)
 
 
@@ -52,62 +56,73 @@ def _error_response(err: APIError, close: bool = False) -> web.Response:
 
 
 def _state(request: web.Request) -> ServerState:
-    return request.app[STATE_KEY]  # type: ignore[return-value]
+    return server_state(request.app)
 
 
 @web.middleware
 async def errors_and_logs(request: web.Request, handler) -> web.StreamResponse:
     """Outermost: every failure becomes an OpenAI error body; every /v1 request gets one log line."""
-    request[KV_START] = time.monotonic()
-    request[KV_LOG] = {}
+    request[REQUEST_STARTED_AT] = time.monotonic()
+    request[REQUEST_LOG_FIELDS] = {}
     status = 500
     try:
         resp = await handler(request)
         status = resp.status
         return resp
-    except APIError as err:
-        status = err.status
-        request[KV_LOG]["error"] = err.message
-        return _error_response(err, close=_state(request).draining)
     except web.HTTPException as exc:
-        if exc.status < 400:
-            status = exc.status
-            raise
         status = exc.status
-        err = APIError(exc.reason if exc.status != 413 else f"request body too large (limit {MAX_BODY_BYTES} bytes)",
-                       status=exc.status, code=_HTTP_ERROR_CODES.get(exc.status))
-        for h in ("Allow",):
-            if h in exc.headers:
-                err.headers[h] = exc.headers[h]
-        request[KV_LOG]["error"] = err.message
+        if exc.status < 400:
+            raise
+        err = _http_exception_error(exc)
+        request[REQUEST_LOG_FIELDS]["error"] = err.message
         return _error_response(err)
     except asyncio.CancelledError:
         status = 499  # client closed the connection
-        request[KV_LOG].setdefault("outcome", "client_disconnected")
+        request[REQUEST_LOG_FIELDS].setdefault("outcome", "client_disconnected")
         raise
     except ConnectionError:
         status = 499
-        request[KV_LOG].setdefault("outcome", "client_disconnected")
+        request[REQUEST_LOG_FIELDS].setdefault("outcome", "client_disconnected")
         raise
     except Exception as exc:  # noqa: BLE001 - a bug must not become a dropped connection
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        request[KV_LOG]["error"] = f"{type(exc).__name__}: {exc}"
-        return _error_response(APIError("internal server error", status=500, type="internal_error",
-                                         code="internal_error"))
+        err = to_api_error(exc)
+        if err is None:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            request[REQUEST_LOG_FIELDS]["error"] = f"{type(exc).__name__}: {exc}"
+            return _error_response(APIError("internal server error", status=500, error_type="internal_error",
+                                             code="internal_error"))
+        status = err.status  # a domain error (bad input, overload, engine down) or an APIError
+        request[REQUEST_LOG_FIELDS]["error"] = err.message
+        return _error_response(err, close=_state(request).draining)
     finally:
-        st = _state(request)
-        if request.path.startswith("/v1/") and not st.args.disable_log_requests:
-            fields: dict[str, Any] = {"event": "request", "method": request.method, "path": request.path,
-                                      "status": status, "client": request.remote,
-                                      "latency_s": round(time.monotonic() - request[KV_START], 4)}
-            fields.update(request[KV_LOG])
-            request_log.info("request", extra={"fields": fields})
+        _log_request(request, status)
+
+
+def _http_exception_error(exc: web.HTTPException) -> APIError:
+    """aiohttp's own 4xx (unknown route, wrong method, body too large) as an OpenAI error body."""
+    message = exc.reason if exc.status != 413 else f"request body too large (limit {MAX_BODY_BYTES} bytes)"
+    err = APIError(message, status=exc.status, code=_HTTP_ERROR_CODES.get(exc.status))
+    if "Allow" in exc.headers:
+        err.headers["Allow"] = exc.headers["Allow"]
+    return err
+
+
+def _log_request(request: web.Request, status: int) -> None:
+    """The one structured log line of a /v1 request."""
+    st = _state(request)
+    if _guarded(request.path) and not st.args.disable_log_requests:
+        fields: dict[str, Any] = {"event": "request", "method": request.method, "path": request.path,
+                                  "status": status, "client": request.remote,
+                                  "latency_s": round(time.monotonic() - request[REQUEST_STARTED_AT], 4)}
+        fields.update(request[REQUEST_LOG_FIELDS])
+        request_log.info("request", extra={"fields": fields})
 
 
 @web.middleware
 async def auth_and_drain(request: web.Request, handler) -> web.StreamResponse:
-    """/v1/* needs the API key (when set), is refused while draining, and counts as in flight."""
-    if not request.path.startswith("/v1/"):
+    """/v1/* and /tokenize, /detokenize need the API key (when set), are refused while draining, and
+    count as in flight."""
+    if not _guarded(request.path):
         return await handler(request)
     st = _state(request)
     key = st.args.api_key
@@ -120,7 +135,7 @@ async def auth_and_drain(request: web.Request, handler) -> web.StreamResponse:
     if st.draining:
         st.metrics.rejected("draining")
         raise APIError("the server is shutting down; retry on another replica", status=503,
-                       type="service_unavailable_error", code="draining", headers={"Connection": "close"})
+                       error_type="service_unavailable_error", code="draining", headers={"Connection": "close"})
     st.inflight += 1
     st.idle.clear()
     try:
@@ -129,6 +144,14 @@ async def auth_and_drain(request: web.Request, handler) -> web.StreamResponse:
         st.inflight -= 1
         if st.inflight == 0:
             st.idle.set()
+
+
+_GUARDED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+def _guarded(path: str) -> bool:
+    """The API routes: /v1/* and the root tokenizer routes (they run the model's tokenizer)."""
+    return path.startswith("/v1/") or path in _GUARDED_ROOT_PATHS
 
 
 async def health(request: web.Request) -> web.Response:
@@ -147,12 +170,12 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics_route(request: web.Request) -> web.Response:
     body = _state(request).metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def version(request: web.Request) -> web.Response:
+async def version(_request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
 
@@ -163,41 +186,48 @@ def _model_card(st: ServerState, name: str) -> dict[str, Any]:
 
 async def list_models(request: web.Request) -> web.Response:
     st = _state(request)
-    return web.json_response({"object": "list", "data": [_model_card(st, n) for n in st.serving.model_names]})
+    return web.json_response({"object": "list", "data": [_model_card(st, n) for n in st.serving.names.listed]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = _state(request)
     name = request.match_info["model"]
-    if name not in st.serving.model_names:
-        raise APIError(f"The model `{name}` does not exist.", status=404, param="model", code="model_not_found")
+    if not st.serving.names.accepts(name):
+        raise APIError(f"The model `{name}` does not exist. Served: {', '.join(st.serving.names.accepted)}",
+                       status=404, param="model", code="model_not_found")
     return web.json_response(_model_card(st, name))
 
 
 def build_app(args: ServeArgs, engine: AsyncEngine | None = None) -> web.Application:
     """The application; the engine is created (not started) here unless one is passed in."""
-    metrics_ = DaemonMetrics(args.served_model_name[0] if args.served_model_name else "")
+    names = served_names(args.model, args.served_model_name)
+    daemon_metrics = DaemonMetrics(names.primary)
+    config = args.engine_config()
     if engine is None:
-        engine = AsyncEngine(args.engine_config(), max_queued_requests=args.max_queued_requests,
-                             max_queued_tokens=args.max_queued_tokens, metrics=metrics_)
+        engine = AsyncEngine(config, max_queued_requests=args.max_queued_requests,
+                             max_queued_tokens=args.max_queued_tokens, metrics=daemon_metrics)
     else:
-        engine.metrics = metrics_
-    metrics_.stats_fn = lambda: engine.stats
-    metrics_.queued_fn = lambda: engine.num_queued
-    serving = OpenAIServing(engine, args.served_model_name, args.scheduling_policy, args.max_num_seqs)
+        engine.metrics = daemon_metrics
+    daemon_metrics.block_size = config.block_size
+    daemon_metrics.enable_prefix_caching = config.enable_prefix_caching
+    daemon_metrics.stats_fn = lambda: engine.stats
+    daemon_metrics.queued_fn = lambda: engine.num_queued
+    serving = OpenAIServing(engine, names, config.scheduling_policy, config.max_num_seqs)
     app = web.Application(middlewares=[errors_and_logs, auth_and_drain], client_max_size=MAX_BODY_BYTES)
-    state = ServerState(args=args, engine=engine, metrics=metrics_, serving=serving)
+    state = ServerState(args=args, engine=engine, metrics=daemon_metrics, serving=serving)
     state.idle.set()
     app[STATE_KEY] = state
-    app[ENGINE_KEY] = engine
     app.router.add_post("/v1/completions", serving.completions)
     app.router.add_post("/v1/chat/completions", serving.chat)
+    tokenize = TokenizeRoutes(engine, serving.check_model, serving.chat_prompt)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", metrics_route)
     return app
 
 
@@ -225,10 +255,8 @@ async def drain(app: web.Application, timeout: float) -> None:
     except TimeoutError:
         n = st.engine.abort_all("shutdown timeout")
         log.warning("shutdown timeout: aborted requests", extra={"fields": {"aborted": n}})
-        try:  # the aborted requests' handlers now finish their responses
+        with contextlib.suppress(TimeoutError):  # the aborted requests' handlers now finish their responses
             await asyncio.wait_for(st.idle.wait(), 5.0)
-        except TimeoutError:
-            pass
 
 
 async def serve(args: ServeArgs) -> int:
@@ -241,8 +269,8 @@ async def serve(args: ServeArgs) -> int:
     site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
     await site.start()
     port = args.port
-    for sock in getattr(site._server, "sockets", None) or []:  # port 0: report the one the OS picked
-        port = sock.getsockname()[1]
+    for address in runner.addresses:  # port 0: report the one the OS picked
+        port = address[1]
     log.info("listening", extra={"fields": {"host": args.host, "port": port, "model": args.model}})
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

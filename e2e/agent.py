@@ -1,27 +1,26 @@
-"""A node agent: the parts of Kubernetes the emulator lacks, acted out on one machine.
+"""A node agent: the parts of Kubernetes a machine without a kubelet lacks, acted out on one machine.
 
-- ReplicaSet controller: keeps as many Pod objects as each Deployment's spec.replicas (deleting not-ready,
-  then the newest pods first) and writes the Deployment's status.
-- kubelet: runs each pod's container as a real process (`kvpilot serve` with the pod's args) on the pod's
-  own loopback address, 127.0.0.2, 127.0.0.3, ...; probes /ready and /health and writes podIP and the Ready
-  condition; restarts a container that dies (restartCount, lastState); on deletion runs the preStop hook,
-  sends SIGTERM, waits up to terminationGracePeriodSeconds, then SIGKILL, and only then lets the Pod go.
+- node: registers a Node (Ready, with capacity and a taint) and keeps its heartbeat;
+- scheduler: binds the namespace's pending Pods that fit the node, through pods/NAME/binding;
+- kubelet: runs each bound pod's container as a real process (`kvpilot serve` with the pod's args) on the
+  pod's own loopback address, 127.0.0.2, 127.0.0.3, ...; probes /ready and /health and writes podIP, the
+  conditions and containerStatuses through pods/status; restarts a container that dies (restartCount,
+  lastState); on deletion (deletionTimestamp) runs the preStop hook, sends SIGTERM, waits out the grace
+  period, then SIGKILL, and only then deletes the Pod with grace 0, as a kubelet does;
+- with `replicasets=True` (the emulator, which has no controller-manager) also the Deployment and
+  ReplicaSet controllers (replicaset.py).
 
-Pods carry a finalizer of ours, so a DELETE only marks them (deletionTimestamp) until the process is gone,
-as graceful deletion does on a cluster.
+On a cluster it needs only what a kubelet may do, plus the scheduler's pods/binding (see README.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import os
 import re
-import secrets
 import signal
 import socket
 import subprocess
@@ -33,16 +32,18 @@ from typing import Any
 
 import aiohttp
 
+from . import node as nodes
 from . import procs
-from .cluster import Kube, condition, deployments, now_iso, pod_ready, pods, terminating
+from .cluster import NODES, Kube, condition, deployments, now_iso, pods, terminating
+from .replicaset import ReplicaSets
 
 log = logging.getLogger("e2e.agent")
 
-FINALIZER = "e2e.kvpilot.io/kubelet"
 NODE_NAME = "loopback-node"
 RESTART_BACKOFF = 1.0  # seconds before a crashed container starts again (a kubelet starts at 10 s)
 PROBE_PERIOD = 1.0  # the pod asks for 5-10 s; probing faster keeps the runs short
 EXIT_CHECK_PERIOD = 0.25  # how soon a dead process is noticed (a kubelet's PLEG relists every second)
+HEARTBEAT_PERIOD = 10.0  # a kubelet reports every 10 s; the node lifecycle controller waits ~40 s
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class Event:
 @dataclass
 class Container:
     pod: str
+    uid: str
+    name: str
+    image: str
     ip: str
     port: int
     argv: list[str]
@@ -104,10 +108,6 @@ class Container:
         return f"http://{self.ip}:{self.port}"
 
 
-def _template_hash(template: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
-
-
 def _port_free(ip: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -132,29 +132,37 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 
 class NodeAgent:
     def __init__(self, kube: Kube, namespace: str, workdir: Path, clock: Any = time.monotonic,
-                 node_env: dict[str, str] | None = None, period: float = 0.5) -> None:
+                 node_env: dict[str, str] | None = None, period: float = 0.5,
+                 node: nodes.NodeSpec | None = None, replicasets: bool = True) -> None:
         self.kube = kube
         self.ns = namespace
         self.workdir = workdir
         self.clock = clock
         self.period = period
         self.node_env = node_env or {}
+        self.node = node or nodes.NodeSpec(NODE_NAME)
+        self.replicasets = ReplicaSets(kube, namespace, self._record) if replicasets else None
         self.containers: dict[str, Container] = {}
         self.events: list[Event] = []
         self._http: aiohttp.ClientSession | None = None
         self._ip_counter = 2
         self._bin = Path(sys.executable).parent
-        self._dep_status: dict[str, dict[str, Any]] = {}
-        self._created: dict[str, int] = {}  # pod -> creation order, for "youngest first"
+        self._unschedulable: dict[str, str] = {}  # pod -> why, as last written
         self.errors: list[str] = []
 
     # ------------------------------------------------------------------ main loop
 
     async def run(self, stop: asyncio.Event) -> None:
         self._http = aiohttp.ClientSession()
+        beat = 0.0
         try:
+            await nodes.register(self.kube, self.node)
+            self._record(self.node.name, "node-registered")
             while not stop.is_set():
                 try:
+                    if self.clock() - beat >= HEARTBEAT_PERIOD:
+                        beat = self.clock()
+                        await nodes.heartbeat(self.kube, self.node)
                     await self.sync()
                 except Exception as e:  # noqa: BLE001 - one bad pass must not stop the node
                     self.errors.append(f"{type(e).__name__}: {e}")
@@ -166,96 +174,49 @@ class NodeAgent:
             await self._http.close()
 
     async def sync(self) -> None:
-        deps = await self.kube.list(deployments(self.ns))
         pod_list = await self.kube.list(pods(self.ns))
-        for dep in deps:
-            pod_list = await self._sync_replicas(dep, pod_list)
-        by_name = {p["metadata"]["name"]: p for p in pod_list}
-        await asyncio.gather(*(self._sync_pod(p) for p in pod_list if FINALIZER in
-                               (p["metadata"].get("finalizers") or [])))
+        deps: list[dict[str, Any]] = []
+        if self.replicasets is not None:
+            deps = await self.kube.list(deployments(self.ns))
+            for dep in deps:
+                pod_list = await self.replicasets.sync(dep, pod_list)
+        pod_list = await self._schedule(pod_list)
+        mine = [p for p in pod_list if (p.get("spec") or {}).get("nodeName") == self.node.name]
+        by_name = {p["metadata"]["name"]: p for p in mine}
+        await asyncio.gather(*(self._sync_pod(p) for p in mine))
         for name, c in list(self.containers.items()):
             if name not in by_name and not c.terminating:  # deleted behind our back: no grace
                 self._record(name, "vanished")
                 c.terminating = True
                 c.term_task = asyncio.create_task(self._terminate(c, grace=0.0, finalize=False))
-        for dep in deps:
-            await self._sync_deployment_status(dep, [p for p in pod_list if self._owned(p, dep)])
+        if self.replicasets is not None:
+            for dep in deps:
+                await self.replicasets.write_status(dep, pod_list)
 
-    # ------------------------------------------------------------------ ReplicaSet controller
+    # ------------------------------------------------------------------ scheduler
 
-    @staticmethod
-    def _owned(pod: dict[str, Any], dep: dict[str, Any]) -> bool:
-        sel = (dep.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
-        labels = pod.get("metadata", {}).get("labels") or {}
-        return bool(sel) and all(labels.get(k) == v for k, v in sel.items())
-
-    async def _sync_replicas(self, dep: dict[str, Any], pod_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        want = int(dep.get("spec", {}).get("replicas", 1))
-        mine = [p for p in pod_list if self._owned(p, dep)]
-        active = [p for p in mine if not terminating(p)]
-        if len(active) < want:
-            for _ in range(want - len(active)):
-                pod = await self._create_pod(dep)
-                pod_list = [*pod_list, pod]
-        elif len(active) > want:
-            # Like a ReplicaSet: unready pods go first, then the youngest.
-            unready = [p for p in active if not pod_ready(p)]
-            ready = sorted((p for p in active if pod_ready(p)),
-                           key=lambda p: self._created.get(p["metadata"]["name"], -1), reverse=True)
-            for pod in (unready + ready)[: len(active) - want]:
-                name = pod["metadata"]["name"]
-                self._record(name, "delete", {"replicas": want})
-                await self.kube.delete(f"{pods(self.ns)}/{name}")
-            pod_list = await self.kube.list(pods(self.ns))
-        return pod_list
-
-    async def _create_pod(self, dep: dict[str, Any]) -> dict[str, Any]:
-        template = dep["spec"]["template"]
-        meta = dep["metadata"]
-        h = _template_hash(template)
-        name = f"{meta['name']}-{h}-{secrets.token_hex(3)[:5]}"
-        body = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {
-                "name": name, "namespace": self.ns,
-                "labels": {**(template.get("metadata", {}).get("labels") or {}), "pod-template-hash": h},
-                "annotations": dict(template.get("metadata", {}).get("annotations") or {}),
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": meta["name"],
-                                     "uid": meta.get("uid", ""), "controller": True}],
-                "finalizers": [FINALIZER],
-            },
-            "spec": {**template.get("spec", {}), "nodeName": NODE_NAME},
-            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]},
-        }
-        created = await self.kube.create(pods(self.ns), body)
-        self._created[name] = len(self._created)
-        self._record(name, "created")
-        return created
-
-    async def _sync_deployment_status(self, dep: dict[str, Any], mine: list[dict[str, Any]]) -> None:
-        active = [p for p in mine if not terminating(p)]
-        ready = sum(1 for p in active if pod_ready(p))
-        want = int(dep.get("spec", {}).get("replicas", 1))
-        complete = ready == want and len(active) == want
-        status = {
-            "observedGeneration": dep["metadata"].get("generation", 1),
-            "replicas": len(active),
-            "updatedReplicas": len(active),
-            "readyReplicas": ready,
-            "availableReplicas": ready,
-            "unavailableReplicas": max(0, want - ready),
-            "terminatingReplicas": len(mine) - len(active),
-            "conditions": [
-                {"type": "Available", "status": "True" if ready >= 1 else "False",
-                 "reason": "MinimumReplicasAvailable" if ready >= 1 else "MinimumReplicasUnavailable"},
-                {"type": "Progressing", "status": "True",
-                 "reason": "NewReplicaSetAvailable" if complete else "ReplicaSetUpdated"},
-            ],
-        }
-        name = dep["metadata"]["name"]
-        if self._dep_status.get(name) != status:
-            await self.kube.patch(f"{deployments(self.ns)}/{name}/status", {"status": status})
-            self._dep_status[name] = status
+    async def _schedule(self, pod_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Bind the pending pods that fit, oldest first; note why the others do not."""
+        bound = [p for p in pod_list if (p.get("spec") or {}).get("nodeName") == self.node.name
+                 and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+        pending = [p for p in pod_list if not (p.get("spec") or {}).get("nodeName") and not terminating(p)
+                   and (p.get("spec") or {}).get("schedulerName", "default-scheduler") == "default-scheduler"]
+        changed = False
+        for pod in sorted(pending, key=lambda p: p["metadata"].get("creationTimestamp") or ""):
+            name = pod["metadata"]["name"]
+            why = nodes.misfit(pod, self.node, bound)
+            if why is None:
+                if await nodes.bind(self.kube, pod, self.node.name):
+                    self._record(name, "bound", {"node": self.node.name})
+                    bound.append({**pod, "spec": {**pod["spec"], "nodeName": self.node.name}})
+                changed = True
+            elif self._unschedulable.get(name) != why:
+                self._unschedulable[name] = why
+                self._record(name, "unschedulable", {"why": why})
+                self.errors.append(f"pod {name} does not fit node {self.node.name}: {why}")
+                await self.kube.patch(f"{pods(self.ns)}/{name}/status", {"status": {"conditions": [
+                    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}]}})
+        return await self.kube.list(pods(self.ns)) if changed else pod_list
 
     # ------------------------------------------------------------------ kubelet
 
@@ -263,8 +224,8 @@ class NodeAgent:
         name = pod["metadata"]["name"]
         c = self.containers.get(name)
         if c is None:
-            if terminating(pod):
-                await self._finalize(name)
+            if terminating(pod):  # never started here: nothing to stop
+                await self._final_delete(name, pod["metadata"].get("uid"))
                 return
             c = self._make_container(pod)
             self.containers[name] = c
@@ -272,12 +233,18 @@ class NodeAgent:
             c.probe_task = asyncio.create_task(self._kubelet(c))
             await self._write_status(c, pod)
             return
+        if c.gone or c.uid != pod["metadata"].get("uid", c.uid):
+            if terminating(pod):  # the final delete failed before: again
+                await self._final_delete(name, pod["metadata"].get("uid"))
+            return
         if terminating(pod):
             if not c.terminating:
                 c.terminating = True
                 c.deleted_at = self.clock()
-                self._record(name, "terminating")
-                c.term_task = asyncio.create_task(self._terminate(c, grace=c.grace, finalize=True))
+                grace = pod["metadata"].get("deletionGracePeriodSeconds")
+                self._record(name, "terminating", {"grace": grace})
+                c.term_task = asyncio.create_task(
+                    self._terminate(c, grace=c.grace if grace is None else float(grace), finalize=True))
             return
         await self._write_status(c, pod)
 
@@ -329,7 +296,8 @@ class NodeAgent:
         # A pod's 0.0.0.0 is its own network namespace; here it is its own loopback address.
         args = [ip if (i > 0 and args[i - 1] == "--host") else a for i, a in enumerate(args)]
         pre_stop = (((ctr.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
-        return Container(pod=name, ip=ip, port=port, argv=command + args, env=full_env,
+        return Container(pod=name, uid=pod["metadata"].get("uid", ""), name=ctr.get("name", "main"),
+                         image=ctr.get("image", ""), ip=ip, port=port, argv=command + args, env=full_env,
                          log_path=poddir / "daemon.log", grace=float(spec.get("terminationGracePeriodSeconds", 30)),
                          pre_stop=list(pre_stop) if pre_stop else None,
                          readiness=_probe(ctr, "readinessProbe", "/ready"),
@@ -407,8 +375,8 @@ class NodeAgent:
         else:
             state = {"waiting": {"reason": "CrashLoopBackOff" if c.restarts else "ContainerCreating"}}
         ready = "True" if c.ready and running else "False"
-        cstatus: dict[str, Any] = {"name": "daemon", "ready": ready == "True", "restartCount": c.restarts,
-                                   "started": running, "state": state}
+        cstatus: dict[str, Any] = {"name": c.name, "image": c.image, "imageID": "", "ready": ready == "True",
+                                   "restartCount": c.restarts, "started": running, "state": state}
         if c.last_exit is not None:
             cstatus["lastState"] = {"terminated": {"exitCode": c.last_exit,
                                                    "reason": "Error" if c.last_exit else "Completed"}}
@@ -456,17 +424,47 @@ class NodeAgent:
                 procs.forget(c.proc)
             self._record(c.pod, "exited", {"exit_code": c.exit_code, "after_s": round(self.clock() - start, 1)})
         finally:
-            c.gone = True
-            if finalize:
-                await self._finalize(c.pod)
+            try:
+                if finalize:
+                    await self._final_status(c)
+                    await self._final_delete(c.pod, c.uid)
+            finally:
+                c.gone = True  # after the final delete: "gone" means the Pod is released too
 
-    async def _finalize(self, name: str) -> None:
+    async def _final_status(self, c: Container) -> None:
+        """The container's end, written before the Pod goes (what `kubectl get -w` shows last)."""
+        term = {"exitCode": c.exit_code if c.exit_code is not None else 137,
+                "reason": "Completed" if c.exit_code == 0 else "Error"}
+        status = {"phase": "Succeeded" if c.exit_code == 0 else "Failed",
+                  "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Initialized", "status": "True"},
+                                 {"type": "ContainersReady", "status": "False"}, {"type": "Ready", "status": "False"}],
+                  "containerStatuses": [{"name": c.name, "image": c.image, "imageID": "", "ready": False,
+                                         "restartCount": c.restarts, "started": False,
+                                         "state": {"terminated": term}}]}
         with contextlib.suppress(Exception):
-            await self.kube.patch(f"{pods(self.ns)}/{name}", {"metadata": {"finalizers": []}})
-            self._record(name, "removed")
+            await self.kube.patch(f"{pods(self.ns)}/{c.pod}/status", {"status": status})
+
+    async def _final_delete(self, name: str, uid: str | None) -> None:
+        """DELETE with grace 0 and the pod's uid: the API server removes the object now."""
+        try:
+            if await self.kube.delete(f"{pods(self.ns)}/{name}", grace=0, uid=uid or None):
+                self._record(name, "removed")
+        except Exception as e:  # noqa: BLE001 - retried on the next pass while the pod is still there
+            self.errors.append(f"final delete of {name}: {type(e).__name__}: {e}")
 
     async def shutdown(self) -> None:
-        """Node shutdown at the end of a run: every container goes, at once (no grace: the run is over)."""
+        """Node shutdown at the end of a run: every container goes, at once (no grace: the run is over),
+        then its Pods and the Node, so that nothing stays Terminating on a node that is gone."""
+        await self._kill_all()
+        with contextlib.suppress(Exception):
+            for p in await self.kube.list(pods(self.ns)):
+                if (p.get("spec") or {}).get("nodeName") == self.node.name:
+                    await self.kube.delete(f"{pods(self.ns)}/{p['metadata']['name']}", grace=0)
+        with contextlib.suppress(Exception):
+            await self.kube.delete(f"{NODES}/{self.node.name}")
+            self._record(self.node.name, "node-deleted")
+
+    async def _kill_all(self) -> None:
         for c in self.containers.values():
             for t in (c.term_task, c.probe_task):
                 if t is not None and not t.done():

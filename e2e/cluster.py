@@ -1,29 +1,36 @@
-"""The Kubernetes API for the end-to-end runs: the kmock emulator served on 127.0.0.1, and a small client
-that plays `kubectl` (apply, get, list, delete) and the API server's bookkeeping the emulator lacks.
+"""The Kubernetes API for the end-to-end runs: the operator's client (kvpilot.operator.kube) with a few
+kubectl-like helpers, for the kmock emulator (emulator.py) or a real API server (target.py).
 
 kmock stores objects as plain JSON and merges patches. A real API server also sets uid, generation,
-resourceVersion and creationTimestamp; `Kube.create` fills those in so the operator sees what it would see
-on a cluster.
+resourceVersion and creationTimestamp, serves the pods/binding subresource and deletes a bound pod in two
+steps (deletionTimestamp, then the kubelet's delete with grace 0). On the emulator `Kube.create` fills in
+those fields and `Emulator` acts out binding and graceful deletion, so the agent's node code is the same
+on both.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import kmock
+import kopf
 import yaml
 
+from kvpilot.operator import kube as client
+
 GROUP, VERSION, PLURAL = "kvpilot.io", "v1alpha1", "inferencedeployments"
+CRD_NAME = f"{PLURAL}.{GROUP}"
 REPO = Path(__file__).resolve().parent.parent
 CRD_FILE = REPO / "crds" / "inferencedeployment.yaml"
 EXAMPLE_CR = REPO / "examples" / "inferencedeployment.yaml"
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+NODES = "/api/v1/nodes"
+NAMESPACES = "/api/v1/namespaces"
 
 _ALL = ["list", "watch", "get", "patch", "create", "delete"]
 # What the emulator serves: the operator's resources plus what kopf needs to start ("backbone").
@@ -36,7 +43,8 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/services": dict(kind="Service", singular="service", namespaced=True, verbs=_ALL),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", singular="poddisruptionbudget",
                                            namespaced=True, verbs=_ALL),
-    "v1/pods": dict(kind="Pod", singular="pod", namespaced=True, verbs=_ALL, subresources=["status"]),
+    "v1/pods": dict(kind="Pod", singular="pod", namespaced=True, verbs=_ALL, subresources=["status", "binding"]),
+    "v1/nodes": dict(kind="Node", singular="node", namespaced=False, verbs=_ALL, subresources=["status"]),
     "v1/events": dict(kind="Event", singular="event", namespaced=True, verbs=_ALL),
     "v1/namespaces": dict(kind="Namespace", singular="namespace", namespaced=False, verbs=_ALL),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
@@ -44,10 +52,7 @@ RESOURCES: dict[str, dict[str, Any]] = {
 }
 
 
-class ApiError(Exception):
-    def __init__(self, method: str, path: str, status: int, text: str) -> None:
-        super().__init__(f"{method} {path}: HTTP {status}: {text[:300]}")
-        self.status = status
+ApiError = client.KubeApiError
 
 
 def now_iso() -> str:
@@ -75,53 +80,41 @@ def inferencedeployments(ns: str) -> str:
     return collection(f"{GROUP}/{VERSION}", PLURAL, ns)
 
 
-class Kube:
-    """HTTP access to the emulator, as kubectl or a controller would do it."""
+class Kube(client.KubeClient):
+    """The shared client (kvpilot.operator.kube), plus what the runs need of an emulated API server and of
+    a kubelet: server-assigned metadata on create, and DELETE with DeleteOptions."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
-        self.url = url.rstrip("/")
-        self.session = session
+    def __init__(self, server: str | Callable[[], kopf.ConnectionInfo], session: aiohttp.ClientSession | None = None,
+                 emulated: bool = True) -> None:
+        super().__init__(server, session=session, field_manager="kvpilot-e2e", timeout=10.0)
+        self.url = server.rstrip("/") if isinstance(server, str) else server().server
+        self.emulated = emulated  # fill in what a real API server assigns on create
         self._rv = itertools.count(1)
 
-    async def request(self, method: str, path: str, body: Any = None,
-                      content_type: str = "application/merge-patch+json") -> Any:
-        headers = {"Content-Type": content_type if method == "PATCH" else "application/json"}
-        async with self.session.request(method, self.url + path, json=body, headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise ApiError(method, path, resp.status, text)
-            return await resp.json(content_type=None) if text else None
+    async def create(self, collection: str, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.emulated:
+            meta = obj.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", now_iso())
+            meta.setdefault("generation", 1)
+            meta["resourceVersion"] = str(next(self._rv))
+        return await super().create(collection, obj)
 
-    async def get(self, path: str) -> dict[str, Any] | None:
+    async def delete(self, path: str, grace: int | None = None, uid: str | None = None) -> bool:
+        """DELETE, optionally with DeleteOptions: a grace period and a uid precondition (a kubelet's final
+        delete names the pod it ran, not a successor of the same name)."""
+        opts: dict[str, Any] | None = None
+        if grace is not None or uid is not None:
+            opts = {"apiVersion": "v1", "kind": "DeleteOptions"}
+            if grace is not None:
+                opts["gracePeriodSeconds"] = grace
+            if uid is not None:
+                opts["preconditions"] = {"uid": uid}
         try:
-            return await self.request("GET", path)
-        except ApiError as e:
-            if e.status == 404:
-                return None
-            raise
-
-    async def list(self, path: str) -> list[dict[str, Any]]:
-        return list((await self.request("GET", path) or {}).get("items") or [])
-
-    async def create(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
-        """POST with the metadata an API server assigns on creation."""
-        meta = obj.setdefault("metadata", {})
-        meta.setdefault("uid", str(uuid.uuid4()))
-        meta.setdefault("creationTimestamp", now_iso())
-        meta.setdefault("generation", 1)
-        meta["resourceVersion"] = str(next(self._rv))
-        return await self.request("POST", path, obj)
-
-    async def patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("PATCH", path, patch)
-
-    async def delete(self, path: str) -> bool:
-        try:
-            await self.request("DELETE", path)
+            await self.request("DELETE", path, body=opts)
             return True
         except ApiError as e:
-            if e.status == 404:
+            if e.not_found:
                 return False
             raise
 
@@ -129,8 +122,7 @@ class Kube:
 
     async def apply_crd(self) -> None:
         """`kubectl apply -f crds/`: the emulator serves the resource anyway; this keeps the object around."""
-        crd = yaml.safe_load(CRD_FILE.read_text())
-        await self.create("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+        await self.create(CRDS, crd_manifest())
 
     async def apply_cr(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         body = {**body, "metadata": {**body.get("metadata", {}), "namespace": ns}}
@@ -143,6 +135,10 @@ class Kube:
         return await self.get(f"{deployments(ns)}/{name}")
 
 
+def crd_manifest() -> dict[str, Any]:
+    return yaml.safe_load(CRD_FILE.read_text())
+
+
 def write_kubeconfig(path: Path, url: str) -> Path:
     cfg = {
         "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
@@ -152,37 +148,6 @@ def write_kubeconfig(path: Path, url: str) -> Path:
     }
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator, with a request log that holds only the requests being served.
-
-    kmock records every request and, to route a new one, scans that whole log, so a run of a few minutes
-    (thousands of requests) slows down quadratically. The runs never assert on past requests, so the log
-    keeps just the ones in flight, which the routing of each request needs to find itself.
-    """
-
-    async def _handle(self, request: Any) -> Any:
-        log = getattr(self, "_requests", None)
-        if not isinstance(log, list):  # another kmock version: leave it alone
-            return await super()._handle(request)
-        inflight: list[Any] = self.__dict__.setdefault("_e2e_inflight", [])
-        inflight.append(request)
-        log[:] = inflight
-        try:
-            return await super()._handle(request)
-        finally:
-            inflight.remove(request)
-
-
-@contextlib.asynccontextmanager
-async def emulator() -> AsyncIterator[Kube]:
-    """The kmock Kubernetes emulator on a free port of 127.0.0.1, with our resources declared."""
-    emu = Emulator()
-    for key, info in RESOURCES.items():
-        emu.resources[key] = info
-    async with emu, kmock.Server(emu) as server, aiohttp.ClientSession() as session:
-        yield Kube(str(server.url), session)
 
 
 def example_cr() -> dict[str, Any]:

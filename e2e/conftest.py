@@ -1,6 +1,6 @@
 """One end-to-end run per session, shared by the scenario tests (each asserts on its part of the report).
 
-The run starts the kmock emulator, the operator, the node agent with real daemons and the load; it takes a
+The run starts the kmock emulator (or, with E2E_KUBECONFIG, uses that cluster), the operator, the node agent with real daemons and the load; it takes a
 few minutes on two CPU cores. Its logs, report.json and a plot stay in the pytest temp folder named in any
 failure message.
 """
@@ -14,12 +14,16 @@ from pathlib import Path
 import pytest
 
 from .lifecycle import Config, Report, run
+from .target import ClusterError
 
 
 @pytest.fixture(scope="session")
 def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> Report:
     workdir = Path(os.environ.get("KVPILOT_E2E_WORKDIR") or tmp_path_factory.mktemp("e2e"))
-    report = asyncio.run(run(Config(workdir=workdir)))
+    try:
+        report = asyncio.run(run(Config(workdir=workdir)))
+    except ClusterError as e:  # E2E_KUBECONFIG names a cluster that cannot run it: fail, never skip
+        pytest.fail(str(e), pytrace=False)
     try:
         from .monitor import plot
 

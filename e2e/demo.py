@@ -1,10 +1,11 @@
-"""`make demo`: scenarios 1-3 live. Apply the CR, load it until it scales out, stop the load and watch it
-scale back in. Prints a table of replicas, KV% and waiting as it goes, a summary at the end, and saves a
+"""`make demo`: the scenarios live. Apply the CR, load it until it scales out, stop the load and watch it
+scale back in, then change the spec and watch the rollout. Prints a table of replicas, KV% and waiting as it goes, a summary at the end, and saves a
 plot (PNG) and the run's JSON to e2e/results/.
 
     .venv/bin/python e2e/demo.py [--kill] [--out DIR]
 
---kill adds scenario 5 (SIGKILL of one daemon mid-load). Everything runs on 127.0.0.0/8 and ends by
+--kill adds scenario 5 (SIGKILL of one daemon mid-load). With E2E_KUBECONFIG it runs on that cluster
+(see e2e/README.md). Everything runs on 127.0.0.0/8 and ends by
 itself; Ctrl-C stops it early and still ends every process it started.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -39,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="kvpilot-demo-"))
     cfg = lifecycle.Config(workdir=workdir, kill=args.kill, table_every=args.every, hold_heavy=args.hold)
-    print(f"kvpilot demo: kmock API on 127.0.0.1, the operator, daemons on 127.0.0.2+; logs in {workdir}")
+    api = f"the cluster of E2E_KUBECONFIG={os.environ['E2E_KUBECONFIG']}" if os.environ.get("E2E_KUBECONFIG") \
+        else "kmock API on 127.0.0.1"
+    print(f"kvpilot demo: {api}, the operator, daemons on 127.0.0.2+; logs in {workdir}")
     print(f"autoscaling: maxReplicas {cfg.max_replicas}, stable window {cfg.stable_window}s, "
           f"scale-down delay {cfg.scale_down_delay}s, metrics every {cfg.metrics_interval}s\n")
     try:
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if rep.monitor is not None and rep.monitor.samples:
         keep = ("kubectl apply", "load starts", "scaled up", "pod 2 ready", "SIGKILL", "pod restarted",
-                "load stops", "scaled down")
+                "load stops", "scaled down", "spec change", "rollout done")
         png = plot(rep.monitor.samples, args.out / f"demo-{stamp}.png", rep.t0,
                    {k: v for k, v in rep.marks.items() if k in keep},
                    "kvpilot: autoscaling on KV-cache pressure (kmock + operator + real daemons)")

@@ -26,9 +26,11 @@ from kvpilot.operator import crd
 
 from . import procs, workload
 from .agent import NodeAgent
-from .cluster import Kube, condition, emulator, example_cr, write_kubeconfig
+from .cluster import Kube, condition, example_cr, inferencedeployments
 from .load import LoadGenerator, Record
 from .monitor import Monitor
+from .node import GPU, NodeSpec, quantity
+from .target import Target, open_target
 
 log = logging.getLogger("e2e")
 HERE = Path(__file__).resolve().parent
@@ -40,6 +42,8 @@ class Config:
     namespace: str = "kvpilot-e2e"
     name: str = "smollm2"
     kill: bool = True  # scenario 5: SIGKILL one daemon mid-load
+    rollout: bool = True  # scenario 6: a spec change rolls the pod over, under load
+    rollout_max_queued: int = 6  # the spec change: engine.maxQueuedRequests 8 -> 6
     heavy_clients: int = 10  # on one pod: 4 running + 6 waiting, KV 75%
     trickle_clients: int = 2  # one kept-alive client per pod: light enough for one pod, and the pod
     # that is removed always has a request in flight
@@ -72,6 +76,12 @@ class Report:
     killed_pid: int | None = None
     replicas_at_kill: int | None = None
     removed_pod: str | None = None
+    rollout_old_pod: str | None = None
+    rollout_new_pod: str | None = None
+    deployment_after_rollout: dict[str, Any] | None = None
+    cr_after_rollout: dict[str, Any] | None = None
+    real_cluster: bool = False
+    node: str | None = None
     expected: dict[str, Any] | None = None
     reference_error: str | None = None
     monitor: Monitor | None = None
@@ -110,7 +120,9 @@ class Report:
             "t0": self.t0, "marks": {k: round(v - self.t0, 2) for k, v in self.marks.items()},
             "errors": self.errors, "done": self.done,
             "pods": {"first": self.first_pod, "new": self.new_pod, "killed": self.killed_pod,
-                     "removed": self.removed_pod},
+                     "removed": self.removed_pod, "rollout_old": self.rollout_old_pod,
+                     "rollout_new": self.rollout_new_pod},
+            "real_cluster": self.real_cluster, "node": self.node, "namespace": self.config.namespace,
             "load": ld.summary(self.expected) if ld else None,
             "agent_events": [dict(asdict(e), t=round(e.t - self.t0, 2)) for e in a.events] if a else [],
             "agent_errors": a.errors if a else [],
@@ -125,8 +137,9 @@ class Report:
         path.write_text(json.dumps(data, indent=1, default=str))
 
 
-def e2e_cr(cfg: Config) -> dict[str, Any]:
-    """The example CR with what fits two shared CPU cores: small batches and KV cache, short windows."""
+def e2e_cr(cfg: Config, node: NodeSpec | None = None) -> dict[str, Any]:
+    """The example CR with what fits two shared CPU cores: small batches and KV cache, short windows; its
+    pods carry the nodeSelector and toleration of the agent's node."""
     cr = example_cr()
     cr["metadata"]["name"] = cfg.name
     spec = cr["spec"]
@@ -145,6 +158,9 @@ def e2e_cr(cfg: Config) -> dict[str, Any]:
     spec["startupTimeoutSeconds"] = 300
     spec.pop("tolerations", None)
     spec.pop("nodeSelector", None)
+    if node is not None:
+        spec["nodeSelector"] = node.selector()
+        spec["tolerations"] = [node.toleration()]
     # What the API server would refuse (schema, CEL rules) must not get this far.
     errors = crd.validate(cfg.name, crd.default_spec(copy.deepcopy(spec)))
     if errors:
@@ -194,11 +210,21 @@ async def _reference(cfg: Config) -> tuple[dict[str, Any] | None, str | None]:
     return json.loads(out.read_text()), None
 
 
-def _start_operator(cfg: Config, kube: Kube) -> Any:
-    kubeconfig = write_kubeconfig(cfg.workdir / "kubeconfig", kube.url)
+def node_capacity(cfg: Config) -> dict[str, str]:
+    """The loopback node declares room for the most pods the run has at once (maxReplicas + the rollout's
+    surge) at the CR's requests; it is a declaration for the scheduler, not the machine's size."""
+    res = e2e_cr(cfg)["spec"]["resources"]
+    n = cfg.max_replicas + 1
+    return {"cpu": f"{quantity(res['cpu']) * n:g}", "memory": f"{quantity(res['memory']) * n / 2**20:.0f}Mi",
+            GPU: str(int(res.get("gpus", 0)) * n)}
+
+
+def _start_operator(cfg: Config, target: Target) -> Any:
     env = _env()
-    env.update(KUBECONFIG=str(kubeconfig), HOSTNAME="kvpilot-operator-e2e")
-    argv = [sys.executable, "-m", "kvpilot.operator", "-A", "--standalone", "--metrics-port", "0",
+    env.update(KUBECONFIG=str(target.kubeconfig), HOSTNAME="kvpilot-operator-e2e")
+    # On a shared cluster it watches only the run's namespace.
+    scope = ["-n", target.namespace] if target.real else ["-A"]
+    argv = [sys.executable, "-m", "kvpilot.operator", *scope, "--standalone", "--metrics-port", "0",
             "--scrape-timeout", "1"]
     return procs.spawn(argv, env, cfg.workdir / "operator.log")
 
@@ -213,10 +239,14 @@ async def run(cfg: Config) -> Report:
     tasks: list[asyncio.Task] = []
     operator = None
     try:
-        async with emulator() as kube:
-            await kube.apply_crd()
-            operator = _start_operator(cfg, kube)
-            agent = NodeAgent(kube, cfg.namespace, cfg.workdir, node_env={"KVPILOT_CACHE_DIR": str(node_model_cache())})
+        async with open_target(cfg.workdir, cfg.namespace, node_capacity(cfg)) as target:
+            kube = target.kube
+            cfg.namespace = target.namespace  # a cluster run has a namespace of its own
+            rep.real_cluster, rep.node = target.real, target.node.name
+            operator = _start_operator(cfg, target)
+            # On a cluster the controller-manager runs the ReplicaSets; on the emulator the agent does.
+            agent = NodeAgent(kube, cfg.namespace, cfg.workdir, node=target.node, replicasets=not target.real,
+                              node_env={"KVPILOT_CACHE_DIR": str(node_model_cache())})
             load = LoadGenerator(lambda: monitor.endpoints())
             monitor = Monitor(kube, cfg.namespace, cfg.name, load, table_every=cfg.table_every)
             rep.agent, rep.load, rep.monitor = agent, load, monitor
@@ -304,12 +334,14 @@ async def _scenarios(cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_
     # ---- scenario 1: apply the CR -> one pod ready -> status Ready with url and metrics
     async def apply() -> None:
         rep.t0 = mon.t0 = mark("kubectl apply")
-        await kube.apply_cr(ns, e2e_cr(cfg))
+        await kube.apply_cr(ns, e2e_cr(cfg, agent.node))
 
         async def deployment() -> Any:
             operator_alive()
             return await kube.deployment(ns, name)
         rep.deployment_after_apply = await until(deployment, 60, "the operator creates the Deployment")
+        who = "kube-controller-manager (is it running?)" if rep.real_cluster else "the agent's ReplicaSet role"
+        await until(lambda: mon.samples and mon.samples[-1].pods, 60, f"{who} creates a Pod")
         pods_ = await until(ready_pods, cfg.pod_ready_timeout, "the first pod becomes Ready")
         rep.first_pod = pods_[0]
         mark("pod 1 ready")
@@ -376,8 +408,8 @@ async def _scenarios(cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_
             return await deployment_replicas() == 1
         await until(scaled_down, bound, "the operator scales back to 1 replica")
         mark("scaled down")
-        deleted = await until(lambda: [e for e in agent.events if e.what == "delete" and e.t >= t], 30,
-                              "the ReplicaSet role deletes a pod")
+        deleted = await until(lambda: [e for e in agent.events if e.what == "terminating" and e.t >= t], 30,
+                              "the ReplicaSet controller deletes a pod")
         rep.removed_pod = deleted[-1].pod
         c = agent.containers[rep.removed_pod]
         await until(lambda: c.gone, cfg.grace_period + 30, "the removed pod's daemon exits")
@@ -387,6 +419,49 @@ async def _scenarios(cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_
             st = ((await kube.cr(ns, name)) or {}).get("status") or {}
             return st.get("replicas") == 1 and st.get("readyReplicas") == 1 and len(ready_pods()) == 1
         await until(settled, 30, "the CR status shows 1/1 replicas")
+        if not cfg.rollout:  # otherwise the light load goes on through the rollout
+            trickle_stop.set()
+            await until(lambda: load.inflight == 0, 120, "the last requests finish")
+
+    # ---- scenario 6: a spec change -> a rolling update, one new pod before the old one goes, under load
+    async def rollout() -> None:
+        olds = ready_pods()
+        assert len(olds) == 1, f"the rollout starts from one ready pod, not {olds}"
+        rep.rollout_old_pod = old = olds[0]
+        cr = await kube.cr(ns, name)
+        change: dict[str, Any] = {"spec": {"engine": {"maxQueuedRequests": cfg.rollout_max_queued}}}
+        if kube.emulated:  # a real API server counts spec changes in metadata.generation
+            change["metadata"] = {"generation": int(cr["metadata"].get("generation", 1)) + 1}
+        mark("spec change")
+        await kube.patch(f"{inferencedeployments(ns)}/{name}", change)
+        flag = ["--max-queued-requests", str(cfg.rollout_max_queued)]
+
+        async def new_template() -> Any:
+            operator_alive()
+            dep = await kube.deployment(ns, name)
+            args = (dep or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0]
+            a = args.get("args", [])
+            return dep if any(a[i:i + 2] == flag for i in range(len(a))) else None
+        rep.deployment_after_rollout = await until(new_template, 60, "the operator writes the new pod template")
+        news = await until(lambda: [p for p in ready_pods() if p != old], cfg.pod_ready_timeout,
+                           "the rollout's new pod becomes Ready")
+        rep.rollout_new_pod = news[0]
+        t_ready = mark("rollout pod ready")
+        c = await until(lambda: agent.containers.get(old) if agent.containers.get(old)
+                        and agent.containers[old].gone else None, cfg.grace_period + 60,
+                        "the rollout removes the old pod")
+        assert c.deleted_at is not None
+        mark("rollout done")
+        await until(lambda: ok_on(rep.rollout_new_pod, t_ready) >= cfg.new_pod_requests, 180,
+                    "the rollout's new pod answers")
+
+        async def settled() -> Any:
+            cr = await kube.cr(ns, name)
+            st = (cr or {}).get("status") or {}
+            ok = (st.get("replicas") == 1 and st.get("readyReplicas") == 1 and len(ready_pods()) == 1
+                  and st.get("observedGeneration") == cr["metadata"].get("generation"))
+            return cr if ok else None
+        rep.cr_after_rollout = await until(settled, 60, "the CR status shows the new generation, 1/1 replicas")
         trickle_stop.set()
         await until(lambda: load.inflight == 0, 120, "the last requests finish")
 
@@ -395,4 +470,6 @@ async def _scenarios(cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_
     if cfg.kill:
         await _phase(rep, "sigkill", sigkill)
     await _phase(rep, "scale-down", scale_down)
+    if cfg.rollout:
+        await _phase(rep, "rollout", rollout)
     mon.phase = "end"

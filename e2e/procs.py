@@ -7,6 +7,7 @@ Every process an end-to-end run starts (operator, daemons, the reference, preSto
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import subprocess
@@ -30,10 +31,8 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
     """Signal the child's whole process group (its pgid is its pid: start_new_session)."""
     if proc.poll() is not None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
@@ -43,10 +42,8 @@ def stop(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         signal_group(proc, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
     forget(proc)
     return proc.returncode
 
@@ -65,10 +62,8 @@ def kill_all() -> list[int]:
             killed.append(pid)
     deadline = time.monotonic() + 10
     for proc in list(_LIVE.values()):
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
     _LIVE.clear()
     return killed
 

@@ -16,12 +16,15 @@ from pathlib import Path
 import pytest
 
 from . import procs
-from .agent import NodeAgent
-from .cluster import deployments, emulator, pod_ready, pods, terminating
+from .agent import NODE_NAME, NodeAgent
+from .cluster import deployments, pod_ready, pods, terminating
+from .emulator import emulator
 from .lifecycle import until
+from .node import NodeSpec
 
 pytestmark = pytest.mark.timeout(120)
 NS = "agent-test"
+NODE = NodeSpec(NODE_NAME)
 
 SERVER = textwrap.dedent("""
     import http.server, signal, sys, threading, time
@@ -54,6 +57,7 @@ def deployment(replicas: int) -> dict:
             "template": {
                 "metadata": {"labels": {"app": "web"}, "annotations": {"a": "b"}},
                 "spec": {
+                    "nodeSelector": NODE.selector(), "tolerations": [NODE.toleration()],
                     "terminationGracePeriodSeconds": 5,
                     "containers": [{
                         "name": "web", "command": [sys.executable, "-c", SERVER],
@@ -112,7 +116,7 @@ async def test_replicas_probes_crash_restart_and_graceful_scale_down(tmp_path: P
                         20, "one pod removed")
             gone = next(x for x in agent.containers.values() if x.gone)
             steps = [e.what for e in agent.events_of(gone.pod)]
-            assert steps[-6:] == ["delete", "terminating", "prestop", "sigterm", "exited", "removed"], steps
+            assert steps[-6:] == ["delete", "terminating", "prestop", "sigterm", "exited", "removed"], (steps, agent.errors)
             assert gone.exit_code == 0
             assert gone.sigterm_at - gone.deleted_at >= 0.5  # the preStop hook ran first
             await until(lambda: _count(kube, 1), 10, "one Pod object left")

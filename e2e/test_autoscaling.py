@@ -4,7 +4,10 @@
 2. sustained load -> KV usage and waiting rise -> >= 2 replicas in bounded time -> the new pod takes traffic;
 3. load stops -> back to minReplicas after the scale-down delay; requests in flight on the removed pod finish;
 4. every request gets a complete, correct (greedy == offline LLM) answer, or an explicit 429 that is retried;
-5. SIGKILL of one daemon mid-load -> pod not-ready -> no scale-down on the missing data -> the pod restarts.
+5. SIGKILL of one daemon mid-load -> pod not-ready -> no scale-down on the missing data -> the pod restarts;
+6. a spec change -> a rolling update (a new pod Ready before the old one drains and goes), under load.
+
+The same run, and so the same checks, against the kmock emulator (CI) or a cluster (E2E_KUBECONFIG).
 """
 
 from __future__ import annotations
@@ -156,6 +159,39 @@ def test_5_sigkill_mid_load_pod_not_ready_no_scale_down_agent_restarts(e2e_run: 
     # The same pod came back: restarted in place (same name, same address) and serving again.
     started = r.agent.events_of(pod, "started")
     assert len(started) == 2 and started[0].detail["ip"] == started[1].detail["ip"]
-    assert any(p.name == pod and p.ready and p.restarts == 1 for p in mon.samples[-1].pods)
+    back = mon.between(t_back, marks["restarted pod serving"])  # later the rollout replaces it
+    assert any(p.name == pod and p.ready and p.restarts == 1 for s in back for p in s.pods)
     after = [a for x in r.records() for a in x.attempts if a.pod == pod and a.outcome == "ok" and a.start >= t_back]
     assert len(after) >= 2
+
+
+def test_6_spec_change_rolls_out_one_pod_at_a_time_without_losing_requests(e2e_run: Report) -> None:
+    r = e2e_run
+    if not r.config.rollout:
+        pytest.skip("this run did not change the spec")
+    r.need("rollout")
+    mon, marks, cfg = r.monitor, r.marks, r.config
+    old, new = r.rollout_old_pod, r.rollout_new_pod
+    assert old != new
+    # The operator rendered the change into the pod template, and the new pod runs with it.
+    assert _flag(_args(r.deployment_after_rollout), "--max-queued-requests") == str(cfg.rollout_max_queued)
+    c_new = r.agent.containers[new]
+    assert _flag(c_new.argv, "--max-queued-requests") == str(cfg.rollout_max_queued)
+    assert _flag(r.agent.containers[old].argv, "--max-queued-requests") == "8"
+    # maxSurge 1, maxUnavailable 0: never fewer than one ready pod, never more than two pods.
+    window = mon.between(marks["spec change"], marks["rollout done"])
+    assert window and min(s.ready for s in window) >= 1, [s.ready for s in window]
+    assert max(len(s.pods) for s in window) <= 2
+    # The old pod went only once the new one was Ready, through graceful deletion, and drained cleanly.
+    c_old = r.agent.containers[old]
+    assert c_old.deleted_at >= r.agent.events_of(new, "ready")[0].t
+    steps = [e.what for e in r.agent.events_of(old)]
+    assert steps[-5:] == ["terminating", "prestop", "sigterm", "exited", "removed"], steps
+    assert c_old.exit_code == 0
+    late = [a for x in r.records() for a in x.attempts if a.pod == old and a.end >= c_old.deleted_at]
+    assert all(a.outcome == "ok" for a in late), [(a.outcome, a.start, a.end) for a in late]
+    assert [a for x in r.records() for a in x.attempts if a.pod == new and a.outcome == "ok"]
+    # The CR reports the new generation as observed, with one Ready replica.
+    cr = r.cr_after_rollout
+    assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"] >= 2
+    assert condition(cr, "Ready")["status"] == "True" and cr["status"]["readyReplicas"] == 1

@@ -39,12 +39,13 @@ def default_priority(hostname: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # The handlers read these at startup, so `kopf run -m kvpilot.operator.handlers` honours them too.
-    os.environ["KVPILOT_OPERATOR_METRICS_PORT"] = str(args.metrics_port)
-    os.environ["KVPILOT_OPERATOR_METRICS_HOST"] = args.metrics_host
-    os.environ["KVPILOT_SCRAPE_TIMEOUT"] = str(args.scrape_timeout)
-
     import kopf
+
+    from kvpilot.operator.config import OperatorConfig
+
+    # Handed to the handlers in kopf's memo (startup reads memo.config), never through os.environ.
+    config = OperatorConfig(metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                            scrape_timeout=args.scrape_timeout, namespaces=tuple(args.namespace))
 
     kopf.configure(debug=args.log_level == "DEBUG", verbose=args.log_level == "DEBUG")
     logging.getLogger().setLevel(args.log_level)
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         peering_name=args.peering,
         priority=args.priority if args.priority is not None else default_priority(socket.gethostname()),
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo(config=config),
     )
     return 0
 

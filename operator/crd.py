@@ -120,4 +120,5 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
 def validate(name: str, spec: dict[str, Any]) -> list[str]:
     """All problems of a defaulted spec, as messages for a status condition; empty when valid."""
     errors = schema_errors(spec)
-    return errors + rule_errors(name, spec) if not errors else errors
+    # The CEL rules assume a schema-valid spec, so they run only when the schema check passed.
+    return errors or rule_errors(name, spec)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 REGISTRY = CollectorRegistry()
@@ -31,7 +33,5 @@ def serve(port: int, addr: str = "0.0.0.0"):
 
 def forget(namespace: str, name: str) -> None:
     for gauge in (DESIRED, CURRENT, KV_USAGE, WAITING, PANIC):
-        try:
+        with contextlib.suppress(KeyError):  # never set for this object
             gauge.remove(namespace, name)
-        except KeyError:
-            pass

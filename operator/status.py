@@ -6,6 +6,7 @@ import datetime
 from typing import Any
 
 from kvpilot.operator.autoscaler import Decision
+from kvpilot.operator.resources import selector_string, service_url
 
 
 def now_iso(now: datetime.datetime | None = None) -> str:
@@ -99,3 +100,52 @@ def metrics_status(decision: Decision, now: str) -> dict[str, Any]:
         "failedPods": decision.failed,
         "time": now,
     }
+
+
+def _scaling(conditions: list[dict[str, Any]], old: dict[str, Any], enabled: bool, decision: Decision | None,
+             now: str, generation: int | None) -> list[dict[str, Any]]:
+    if enabled and decision is None:
+        kept = get_condition(old, "ScalingActive")
+        if kept is not None and kept.get("reason") != "AutoscalingDisabled":
+            return conditions  # the autoscaling loop's last word stands until its next decision
+    return scaling_condition(conditions, enabled, decision if enabled else None, now, generation)
+
+
+def status_patch(*, meta: dict[str, Any], spec: dict[str, Any], old: dict[str, Any] | None,
+                 deployment: dict[str, Any] | None, now: str, errors: list[str] | None = None,
+                 desired: int | None = None, decision: Decision | None = None, scaled: bool = False,
+                 reconciled: bool = False) -> dict[str, Any]:
+    """The one status an InferenceDeployment gets, from what was observed and decided.
+
+    `old` is the status read just before (conditions keep their transition times); `reconciled` says the
+    spec of meta["generation"] was converged on (or found invalid), which is what observedGeneration means.
+    `decision` is the autoscaler's, or with autoscaling off a sample of the load only.
+    """
+    old = dict(old or {})
+    gen = meta.get("generation")
+    conditions = list(old.get("conditions") or [])
+    patch: dict[str, Any] = {}
+    if reconciled and gen is not None:
+        patch["observedGeneration"] = gen
+    if errors:
+        patch["conditions"] = invalid_spec_conditions(conditions, errors, now, gen, deployment is not None)
+        return patch
+    enabled = bool(spec["autoscaling"]["enabled"])
+    live = (deployment or {}).get("spec", {}).get("replicas", 0) or 0
+    conditions = deployment_conditions(conditions, deployment, now, gen)
+    st = (deployment or {}).get("status") or {}
+    patch.update({
+        "replicas": st.get("replicas", 0) or 0,  # always beside Ready, which is computed from the same counts
+        "readyReplicas": st.get("readyReplicas", 0) or 0,
+        "desiredReplicas": live if desired is None else desired,
+        "selector": selector_string(meta["name"]),
+        "url": service_url(meta, spec),
+        "conditions": _scaling(conditions, old, enabled, decision, now, gen),
+    })
+    if decision is not None and enabled:
+        patch["autoscaler"] = {"panic": decision.panic, "reason": decision.reason, "message": decision.message()}
+    if scaled:
+        patch["lastScaleTime"] = now
+    if decision is not None and decision.metrics_known:
+        patch["metrics"] = metrics_status(decision, now)
+    return patch

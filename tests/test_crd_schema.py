@@ -1,5 +1,6 @@
-"""The InferenceDeployment CRD: one source of truth, a documented structural schema, defaults and CEL rules
-that hold, and an example that validates. CEL rules run through a real CEL interpreter (cel-python)."""
+"""The InferenceDeployment CRD as kube-apiserver judges it: a structural schema, defaults that pass their own
+schema and CEL rules, rules that compile and are bounded, examples that validate. CEL runs in cel-python.
+The checks run on crds/ and on the chart's copy, which is what `helm install` sends."""
 
 from __future__ import annotations
 
@@ -7,38 +8,41 @@ import copy
 import pathlib
 from typing import Any
 
-import celpy
-import jsonschema
 import pytest
 import yaml
+from operator_support import crd_checks as checks
 
 from kvpilot.operator import crd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "inferencedeployment.yaml"
-EXAMPLE = ROOT / "examples" / "inferencedeployment.yaml"
+CHART_CRDS = ROOT / "charts" / "kvpilot" / "crds"
+EXAMPLES = ROOT / "examples"
+
+
+def crd_docs() -> list[tuple[str, dict[str, Any]]]:
+    files = [CRD_FILE, *sorted(CHART_CRDS.glob("*.yaml"))]
+    return [(f"{f.relative_to(ROOT)}:{d['metadata']['name']}", d)
+            for f in files for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+ALL_CRDS = crd_docs()
+OUR_CRDS = [(name, d) for name, d in ALL_CRDS if d["spec"]["group"] == "kvpilot.io"]
+
+
+def schemas_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [v["schema"]["openAPIV3Schema"] for v in doc["spec"]["versions"]]
 
 
 def test_one_source_of_truth_for_the_crd():
     source = CRD_FILE.read_bytes()
-    chart_copy = (ROOT / "charts" / "kvpilot" / "crds" / "inferencedeployment.yaml").read_bytes()
-    packaged = crd.CRD_PATH.read_bytes()
-    assert chart_copy == source, "charts/kvpilot/crds/ differs from crds/: link it, do not copy"
-    assert packaged == source, "the operator package's CRD differs from crds/"
+    assert (CHART_CRDS / "inferencedeployment.yaml").read_bytes() == source, "the chart's CRD differs from crds/"
+    assert crd.CRD_PATH.read_bytes() == source, "the operator package's CRD differs from crds/"
+    assert len(OUR_CRDS) == 2  # crds/ and the chart's copy are both checked below
 
 
 def schema() -> dict[str, Any]:
     return crd.version_schema()
-
-
-def walk(node: dict[str, Any], path: str = ""):
-    yield path, node
-    for key, sub in (node.get("properties") or {}).items():
-        yield from walk(sub, f"{path}.{key}" if path else key)
-    if isinstance(node.get("items"), dict):
-        yield from walk(node["items"], f"{path}[]")
-    if isinstance(node.get("additionalProperties"), dict):
-        yield from walk(node["additionalProperties"], f"{path}{{}}")
 
 
 def test_names_scope_subresources_and_printer_columns():
@@ -54,34 +58,123 @@ def test_names_scope_subresources_and_printer_columns():
     cols = {col["name"].upper(): col for col in v["additionalPrinterColumns"]}
     assert list(cols) == ["MODEL", "REPLICAS", "READY", "DESIRED", "KV%", "WAITING", "AGE", "URL"]
     assert cols["URL"]["priority"] == 1
-    paths = {p for p, _ in walk(schema())}
+    paths = {p for p, _ in checks.walk(schema())}
     for col in v["additionalPrinterColumns"]:
         assert col["jsonPath"].lstrip(".") in paths | {"metadata.creationTimestamp"}, col
     for sub in ("spec.replicas", "status.replicas", "status.selector"):
         assert sub in paths
 
 
-def test_structural_schema_with_descriptions_everywhere():
-    for path, node in walk(schema()):
+# --- what the server checks when it accepts the CRD ------------------------------------------------------
+
+@pytest.mark.parametrize("doc", [d for _, d in ALL_CRDS], ids=[n for n, _ in ALL_CRDS])
+def test_structural_schema(doc):
+    for s in schemas_of(doc):
+        assert checks.structural_errors(s) == []
+
+
+@pytest.mark.parametrize("doc", [d for _, d in ALL_CRDS], ids=[n for n, _ in ALL_CRDS])
+def test_every_default_is_valid_bare_and_defaulted(doc):
+    for s in schemas_of(doc):
+        assert checks.default_errors(s) == []
+
+
+@pytest.mark.parametrize("doc", [d for _, d in ALL_CRDS], ids=[n for n, _ in ALL_CRDS])
+def test_rules_compile_read_declared_fields_and_are_bounded(doc):
+    for s in schemas_of(doc):
+        assert checks.rule_errors(s) == []
+
+
+def test_there_are_defaults_and_rules_to_check():
+    nodes = [n for _, n in checks.walk(schema())]
+    assert sum("default" in n for n in nodes) >= 30
+    assert sum(len(n.get("x-kubernetes-validations") or []) for n in nodes) >= 6
+
+
+def test_descriptions_everywhere():
+    for path, node in checks.walk(schema()):
         if path in ("", "metadata") or path.endswith("[]") or path.endswith("{}"):
             continue
         assert node.get("description"), f"{path} has no description"
-        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
-    auto = schema()["properties"]["spec"]["properties"]["autoscaling"]["properties"]
-    assert auto["minReplicas"]["minimum"] == 1 and auto["targetKVCacheUsage"]["maximum"] == 1.0
-    eng = schema()["properties"]["spec"]["properties"]["engine"]["properties"]
-    assert eng["schedulingPolicy"]["enum"] == ["fcfs", "priority"]
 
 
-def test_every_default_validates_against_its_own_field():
-    found = 0
-    for _path, node in walk(schema()):
-        if "default" in node:
-            found += 1
-            jsonschema.validate(node["default"], crd.strict_schema(node))
-            defaulted = crd.apply_defaults(copy.deepcopy(node["default"]), node)
-            jsonschema.validate(defaulted, crd.strict_schema(node))
-    assert found >= 30
+def autoscaling_node(s: dict[str, Any]) -> dict[str, Any]:
+    return s["properties"]["spec"]["properties"]["autoscaling"]
+
+
+def test_the_refused_v1_32_crd_is_refused_here():
+    """The rules as they were when a v1.32 server refused the CRD: read keys the `{}` default lacks."""
+    s = copy.deepcopy(schema())
+    autoscaling_node(s)["x-kubernetes-validations"][0]["rule"] = "self.minReplicas <= self.maxReplicas"
+    errors = checks.default_errors(s)
+    assert any("spec.autoscaling default" in e and "minReplicas" in e for e in errors), errors
+    assert not any("defaulted default" in e for e in errors)  # with nested defaults it would pass
+
+
+def test_a_default_that_breaks_a_rule_is_refused():
+    s = copy.deepcopy(schema())
+    autoscaling_node(s)["default"] = {"minReplicas": 9, "maxReplicas": 2}
+    assert any("minReplicas must be <=" in e for e in checks.default_errors(s))
+    s = copy.deepcopy(schema())
+    autoscaling_node(s)["default"] = {"bogus": 1}
+    assert any("prunes" in e for e in checks.default_errors(s))
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (lambda s: s["properties"]["spec"]["properties"]["replicas"].pop("type"), "spec.replicas: type is required"),
+    (lambda s: s["properties"]["spec"]["properties"]["nodeSelector"].update(properties={"a": {"type": "string"}}),
+     "mutually exclusive"),
+    (lambda s: s["properties"]["spec"]["properties"]["env"].pop("items"), "an array needs items"),
+    (lambda s: s["properties"]["metadata"].update(default={}), "metadata: only type and properties"),
+    (lambda s: s["properties"]["metadata"].update(properties={"labels": {"type": "object"}}),
+     "only name and generateName"),
+    (lambda s: s["properties"]["spec"]["properties"]["resources"]["properties"]["cpu"].update(type="string"),
+     "int-or-string must not have a type"),
+    (lambda s: s["properties"]["status"]["properties"]["conditions"]["items"]["required"].remove("type"),
+     "list-map key type"),
+    (lambda s: s["properties"]["spec"].update(additionalProperties=False), "mutually exclusive"),
+])
+def test_structural_check_catches_what_the_server_refuses(mutate, fragment):
+    s = copy.deepcopy(schema())
+    mutate(s)
+    errors = checks.structural_errors(s)
+    assert any(fragment in e for e in errors), errors
+
+
+def unbounded_list_rule(node: dict[str, Any]) -> None:
+    node["x-kubernetes-validations"] = [{"rule": "self.all(a, a != '')"}]
+    del node["maxItems"]
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (lambda s: s["properties"]["spec"]["properties"]["model"]["properties"]["uri"].pop("maxLength"),
+     "without maxLength"),
+    (lambda s: unbounded_list_rule(s["properties"]["spec"]["properties"]["engine"]["properties"]["extraArgs"]),
+     "without maxItems"),
+    (lambda s: autoscaling_node(s)["x-kubernetes-validations"].append({"rule": "self.minReplica > 0"}),
+     "reads minReplica, which the schema does not declare"),
+    (lambda s: autoscaling_node(s)["x-kubernetes-validations"].append({"rule": "self.minReplicas >"}),
+     "does not compile"),
+])
+def test_rule_check_catches_unbounded_or_broken_rules(mutate, fragment):
+    s = copy.deepcopy(schema())
+    mutate(s)
+    errors = checks.rule_errors(s)
+    assert any(fragment in e for e in errors), errors
+
+
+# --- objects: the defaulted empty spec, the examples, wrong objects -------------------------------------
+
+def obj(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": name}, "spec": spec}
+
+
+def test_the_defaulted_empty_spec_passes_every_rule():
+    empty = crd.default_spec({})
+    assert empty["autoscaling"]["minReplicas"] == 1 and empty["engine"]["blockSize"] == 16
+    assert checks.cel_errors(obj("x", empty), schema()) == []
+    assert crd.schema_errors(empty) == ["spec: 'model' is a required property"]  # the one thing it lacks
 
 
 def test_minimal_spec_defaults_to_a_valid_and_stable_spec():
@@ -90,75 +183,26 @@ def test_minimal_spec_defaults_to_a_valid_and_stable_spec():
     assert crd.default_spec(spec) == spec  # idempotent, like the API server's defaulting
     assert spec["autoscaling"]["metrics"]["kvCacheUsage"] == "vllm:kv_cache_usage_perc"
     assert spec["autoscaling"]["enabled"] is False and spec["replicas"] == 1
-    assert cel_failures(obj("x", spec)) == []
+    assert checks.cel_errors(obj("x", spec), schema()) == []
 
 
-def example() -> dict[str, Any]:
-    return yaml.safe_load(EXAMPLE.read_text())
+def examples() -> list[dict[str, Any]]:
+    return [d for f in sorted(EXAMPLES.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())
+            if d and d.get("kind") == "InferenceDeployment"]
 
 
-def test_example_validates_strictly_and_passes_the_cel_rules():
-    ex = example()
-    assert ex["apiVersion"] == "kvpilot.io/v1alpha1" and ex["kind"] == "InferenceDeployment"
-    assert crd.schema_errors(ex["spec"]) == []  # strict: a typo'd field would fail here
-    spec = crd.default_spec(ex["spec"])
-    assert crd.validate(ex["metadata"]["name"], spec) == []
-    assert cel_failures(obj(ex["metadata"]["name"], spec)) == []
+@pytest.mark.parametrize("example", examples(), ids=lambda e: e["metadata"]["name"])
+def test_examples_are_pruned_valid_and_pass_the_rules(example):
+    assert example["apiVersion"] == "kvpilot.io/v1alpha1"
+    assert checks.prune_object(example, schema()) == example, "the example has fields the server would drop"
+    assert crd.schema_errors(example["spec"]) == []
+    defaulted = {**example, "spec": crd.default_spec(example["spec"])}
+    assert checks.cel_errors(defaulted, schema()) == []
+    assert crd.validate(example["metadata"]["name"], defaulted["spec"]) == []
 
 
-# --- CEL ----------------------------------------------------------------------------------------------
-
-def cel_rules() -> list[tuple[list[str], dict[str, Any], dict[str, Any]]]:
-    """(path of keys, schema at that path, rule) for every x-kubernetes-validations rule."""
-    out = []
-
-    def visit(node, keys):
-        for rule in node.get("x-kubernetes-validations") or []:
-            out.append((keys, node, rule))
-        for key, sub in (node.get("properties") or {}).items():
-            visit(sub, [*keys, key])
-    visit(schema(), [])
-    return out
-
-
-def typed(value: Any, node: dict[str, Any]) -> Any:
-    """JSON -> what the API server hands CEL: numbers of `type: number` fields are doubles."""
-    if node.get("type") == "number" and isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, dict):
-        props = node.get("properties") or {}
-        return {k: typed(v, props.get(k, {})) for k, v in value.items()}
-    if isinstance(value, list) and isinstance(node.get("items"), dict):
-        return [typed(v, node["items"]) for v in value]
-    return value
-
-
-ENV = celpy.Environment()
-
-
-def cel_failures(new: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
-    failures = []
-    for keys, node, rule in cel_rules():
-        value, old_value = new, old
-        for k in keys:
-            value = value.get(k) if isinstance(value, dict) else None
-            old_value = old_value.get(k) if isinstance(old_value, dict) else None
-        if value is None:
-            continue
-        if "oldSelf" in rule["rule"] and old_value is None:
-            continue  # transition rules only run on updates
-        activation = {"self": celpy.json_to_cel(typed(value, node))}
-        if old_value is not None:
-            activation["oldSelf"] = celpy.json_to_cel(typed(old_value, node))
-        result = ENV.program(ENV.compile(rule["rule"])).evaluate(activation)
-        if not bool(result):
-            failures.append(rule["message"])
-    return failures
-
-
-def obj(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": name}, "spec": spec}
+def test_there_is_an_example():
+    assert examples()
 
 
 @pytest.mark.parametrize("name, patch, message", [
@@ -176,7 +220,7 @@ def test_cel_rules_and_the_operators_python_mirror_agree(name, patch, message):
     spec = crd.default_spec({"model": {"uri": "hf://org/m"}})
     for key, value in patch.items():
         spec[key] = {**spec[key], **value}
-    cel = cel_failures(obj(name, spec))
+    cel = checks.cel_errors(obj(name, spec), schema())
     mirror = crd.rule_errors(name, spec)
     if message is None:
         assert cel == [] and mirror == []
@@ -189,7 +233,7 @@ def test_cel_rules_and_the_operators_python_mirror_agree(name, patch, message):
                                           ("targetWaitingRequests", 0)])
 def test_targets_out_of_range_fail_cel_and_schema(field, value):
     spec = crd.default_spec({"model": {"uri": "hf://org/m"}, "autoscaling": {field: value}})
-    assert any(field in m for m in cel_failures(obj("ok", spec)))
+    assert any(field in m for m in checks.cel_errors(obj("ok", spec), schema()))
     assert crd.validate("ok", spec)  # the operator reports it too
 
 
@@ -197,10 +241,11 @@ def test_model_uri_is_immutable():
     old = obj("ok", crd.default_spec({"model": {"uri": "hf://org/a"}}))
     new = copy.deepcopy(old)
     new["spec"]["model"]["uri"] = "hf://org/b"
-    assert "model.uri is immutable" in cel_failures(new, old)
+    assert any("model.uri is immutable" in e for e in checks.cel_errors(new, schema(), old))
     same = copy.deepcopy(old)
     same["spec"]["replicas"] = 3
-    assert cel_failures(same, old) == []
+    assert checks.cel_errors(same, schema(), old) == []
+    assert checks.cel_errors(new, schema()) == []  # a create has no old object: transition rules skip
 
 
 @pytest.mark.parametrize("patch, fragment", [
@@ -215,3 +260,12 @@ def test_schema_rejects_bad_values(patch, fragment):
     spec = {"model": {"uri": "hf://org/m"}, **patch}
     errors = crd.validate("ok", crd.default_spec(spec))
     assert any(fragment in e for e in errors), errors
+
+
+def test_pruning_drops_unknown_fields_but_keeps_open_ones():
+    spec = {"model": {"uri": "hf://org/m", "typo": 1}, "affinity": {"nodeAffinity": {"x": 1}},
+            "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "k", "operator": "Exists"}]}
+    pruned = checks.prune_object(obj("ok", spec) | {"extra": 1}, schema())
+    assert "extra" not in pruned and "typo" not in pruned["spec"]["model"]
+    assert pruned["spec"]["affinity"] == spec["affinity"] and pruned["spec"]["tolerations"] == spec["tolerations"]
+    assert pruned["spec"]["nodeSelector"] == {"gpu": "h100"} and pruned["metadata"] == {"name": "ok"}

@@ -222,6 +222,18 @@ def test_reference_prefill_only_and_zero_len_seq():
     assert_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize(("group", "window"), [(1, None), (3, None), (4, 100), (2, 9)])
+def test_reference_whole_prompt_chunks(group, window):
+    # chunks that start at position 0 take the mask-free causal SDPA path (unless a window bites)
+    ctx = [70, 1, 33, 128]
+    case = make_case(ctx, ctx, kvh=2, group=group, d=64, bs=16, dtype=torch.float32, seed=11, fill=0.0)
+    assert_close(R.paged_attention(*case.args(), sliding_window=window), dense_batch(case, window), torch.float32)
+    # the native CPU backend shares this prefill path
+    if K.cpu_native.available():
+        got = K.cpu_native.paged_attention(*case.args(), sliding_window=window)
+        assert_close(got, dense_batch(case, window), torch.float32)
+
+
 def test_reference_rejects_bad_gqa():
     case = make_case([4], [1], kvh=2, group=1, d=64, bs=16, dtype=torch.float32, seed=3, fill=0.0)
     with pytest.raises(ValueError, match="multiple"):

@@ -7,9 +7,27 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpilot.daemon.engine.kv_cache import BlockPool, FreeBlockQueue, KVCacheManager, hash_block
+from kvpilot.block_hash import hash_prompt_blocks
+from kvpilot.daemon.engine.kv_cache import BlockPool, FreeBlockQueue, KVCacheManager
+from kvpilot.daemon.engine.sampling_params import SamplingParams
+from kvpilot.daemon.engine.sequence import Sequence
 
 BS = 4
+
+
+def _seq(seq_id: str, tokens, salt: str | None = None, num_computed: int = 0) -> Sequence:
+    seq = Sequence(seq_id, list(tokens), SamplingParams(), cache_salt=salt)
+    seq.num_computed_tokens = num_computed
+    return seq
+
+
+def _admit(kv: KVCacheManager, seq: Sequence) -> int:
+    """The scheduler's two calls for a whole prompt; returns the tokens served by the cache."""
+    blocks, cached = kv.get_computed_blocks(seq)
+    assert kv.allocate_slots(seq, seq.num_tokens - cached, blocks) is not None
+    seq.num_computed_tokens = seq.num_tokens
+    kv.cache_blocks(seq, seq.num_tokens)
+    return cached
 
 
 def test_free_queue_remove_from_middle_and_order():
@@ -27,71 +45,147 @@ def test_free_queue_remove_from_middle_and_order():
         FreeBlockQueue([]).popleft()
 
 
-def test_hash_chain_depends_on_parent():
-    assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
-    assert hash_block(1, [1, 2]) != hash_block(2, [1, 2])
-
-
 def test_prefix_hit_reuses_blocks_and_lru_evicts_tail_first():
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     tokens = list(range(10))  # 2 full blocks + 2 tokens
-    assert kv.find_cached_prefix("a", tokens) == 0
-    kv.take_cached_prefix("a", 0, num_query_tokens=len(tokens))
-    assert kv.allocate_slots("a", 0, len(tokens))
-    kv.cache_full_blocks("a", tokens, len(tokens))
-    a_blocks = kv.block_ids("a")
-    kv.free("a")
+    a = _seq("a", tokens)
+    blocks, cached = kv.get_computed_blocks(a)
+    assert cached == 0 and blocks == []
+    assert kv.allocate_slots(a, len(tokens), blocks) is not None
+    kv.cache_blocks(a, len(tokens))
+    a_blocks = kv.block_ids(a)
+    kv.free(a)
     # Freed blocks keep their hash: a repeated prompt hits floor((len-1)/bs) blocks.
-    assert kv.find_cached_prefix("b", tokens) == 2 * BS
-    kv.take_cached_prefix("b", 2 * BS, num_query_tokens=len(tokens))
-    assert kv.block_ids("b") == a_blocks[:2]
+    b = _seq("b", tokens)
+    blocks, cached = kv.get_computed_blocks(b)
+    assert cached == 2 * BS
+    assert kv.allocate_slots(b, 0, blocks) == []  # takes the cached blocks, allocates nothing new
+    assert kv.block_ids(b) == a_blocks[:2]
     assert kv.prefix_hits_tokens == 2 * BS
-    kv.free("b")
+    kv.free(b)
     kv.check_invariants()
     # The tail block (second full block) sits ahead of the first in the LRU order, so it is evicted first.
     order = [b.block_id for b in kv.pool.free_queue if b.block_hash is not None]
     assert order.index(a_blocks[1]) < order.index(a_blocks[0])
 
 
+def test_get_computed_blocks_takes_nothing_until_allocate_slots():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    tokens = list(range(9))
+    _admit(kv, _seq("a", tokens))
+    kv.free(_seq("a", tokens))
+    free_before = kv.num_free_blocks
+    b = _seq("b", tokens)
+    blocks, cached = kv.get_computed_blocks(b)
+    assert cached == 2 * BS and len(blocks) == 2
+    assert kv.num_free_blocks == free_before and all(blk.ref_cnt == 0 for blk in blocks)
+    new = kv.allocate_slots(b, len(tokens) - cached, blocks)
+    assert new is not None and len(new) == 1  # the partial third block
+    assert all(blk.ref_cnt == 1 for blk in blocks)
+    assert kv.stats().prefix_cache_queries == 2 * len(tokens)
+    assert kv.stats().prefix_cache_hits == 2 * BS
+    kv.free(b)
+    kv.check_invariants()
+
+
+def test_allocate_slots_returns_only_new_blocks():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a = _seq("a", range(6))
+    assert len(kv.allocate_slots(a, 6)) == 2
+    a.num_computed_tokens = 6
+    assert kv.allocate_slots(a, 1) == []  # room left in the last block
+    a.num_computed_tokens = 7
+    assert len(kv.allocate_slots(a, 2)) == 1
+    kv.free(a)
+    kv.check_invariants()
+
+
+def test_cache_salt_separates_tenants():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    tokens = list(range(13))  # 3 full blocks + 1
+    assert _admit(kv, _seq("t1", tokens, salt="tenant-1")) == 0
+    assert _admit(kv, _seq("t2", tokens, salt="tenant-2")) == 0, "another salt must never hit"
+    assert _admit(kv, _seq("plain", tokens)) == 0, "no salt must not hit a salted entry"
+    assert _admit(kv, _seq("t1-again", tokens, salt="tenant-1")) == 3 * BS
+    assert _admit(kv, _seq("plain-again", tokens)) == 3 * BS
+    kv.check_invariants()
+
+
+def test_manager_hashes_equal_hash_prompt_blocks():
+    # The router computes block hashes with hash_prompt_blocks: the engine must agree bit for bit.
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    tokens = list(range(100, 114))
+    for salt in (None, "tenant-1"):
+        seq = _seq(f"s-{salt}", tokens, salt=salt)
+        _admit(kv, seq)
+        extra = () if salt is None else (salt,)
+        assert kv.tables[seq.seq_id].hashes == hash_prompt_blocks(tokens, BS, extra)
+
+
+def test_cached_free_counter_follows_the_free_queue():
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a = _seq("a", range(9))
+    _admit(kv, a)
+    assert kv.stats().num_cached_free_blocks == 0
+    kv.free(a)
+    assert kv.stats().num_cached_free_blocks == 2
+    kv.check_invariants()
+    _admit(kv, _seq("b", range(9)))  # takes both cached blocks back out of the free queue
+    assert kv.stats().num_cached_free_blocks == 0
+    kv.check_invariants()
+    kv.free(_seq("b", range(9)))
+    kv.reset_prefix_cache()
+    assert kv.stats().num_cached_free_blocks == 0
+    kv.check_invariants()
+
+
 def test_fork_shares_blocks_and_copies_partial_block_on_write():
     kv = KVCacheManager(num_blocks=10, block_size=BS)
-    kv.find_cached_prefix("p", list(range(10)))
-    assert kv.allocate_slots("p", 0, 10)  # 3 blocks, last one partial
-    for i in range(3):
-        kv.fork("p", f"c{i}")
+    p = _seq("p", range(10))
+    kv.get_computed_blocks(p)
+    assert kv.allocate_slots(p, 10) is not None  # 3 blocks, last one partial
+    p.num_computed_tokens = 10
+    children = [_seq(f"c{i}", range(10), num_computed=10) for i in range(3)]
+    for child in children:
+        kv.fork(p, child)
     assert kv.num_free_blocks == 7  # 4 sequences, still 3 blocks
-    assert kv.allocate_slots("c0", 10, 1)
+    c0 = children[0]
+    assert kv.allocate_slots(c0, 1) is not None
     copies = kv.take_pending_copies()
-    assert len(copies) == 1 and copies[0][0] == kv.block_ids("p")[2]
-    assert kv.block_ids("c0")[:2] == kv.block_ids("p")[:2]
-    assert kv.block_ids("c0")[2] != kv.block_ids("p")[2]
+    assert len(copies) == 1 and copies[0][0] == kv.block_ids(p)[2]
+    assert kv.block_ids(c0)[:2] == kv.block_ids(p)[:2]
+    assert kv.block_ids(c0)[2] != kv.block_ids(p)[2]
     kv.check_invariants()
-    for rid in ["p", "c0", "c1", "c2"]:
-        kv.free(rid)
+    for seq in [p, *children]:
+        kv.free(seq)
     assert kv.num_free_blocks == 10
     kv.check_invariants()
 
 
 def test_allocate_fails_cleanly_when_full():
     kv = KVCacheManager(num_blocks=2, block_size=BS)
-    kv.find_cached_prefix("a", list(range(9)))
-    assert not kv.allocate_slots("a", 0, 9)  # needs 3 blocks
+    a = _seq("a", range(9))
+    kv.get_computed_blocks(a)
+    assert kv.allocate_slots(a, 9) is None  # needs 3 blocks
     assert kv.num_free_blocks == 2
-    kv.free("a")
+    kv.free(a)
     kv.check_invariants()
 
 
 def test_swap_roundtrip_books():
     kv = KVCacheManager(num_blocks=4, block_size=BS, num_cpu_blocks=4)
-    kv.find_cached_prefix("a", list(range(6)))
-    assert kv.allocate_slots("a", 0, 6)
-    out_pairs = kv.swap_out("a")
-    assert len(out_pairs) == 2 and kv.num_free_blocks == 4 and kv.is_swapped("a")
+    a = _seq("a", range(6))
+    kv.get_computed_blocks(a)
+    assert kv.allocate_slots(a, 6) is not None
+    a.num_computed_tokens = 6
+    out_pairs = kv.swap_out(a)
+    assert len(out_pairs) == 2 and kv.num_free_blocks == 4 and kv.is_swapped(a)
     kv.check_invariants()
-    in_pairs = kv.swap_in("a", 6)
+    assert kv.can_swap_in(a)
+    in_pairs = kv.swap_in(a)
     assert [c for c, _ in in_pairs] == [c for _, c in out_pairs]
     kv.check_invariants()
-    kv.free("a")
+    kv.free(a)
     assert kv.num_free_blocks == 4 and len(kv.free_cpu_blocks) == 4
 
 
@@ -101,88 +195,91 @@ class KVMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(num_blocks=12, block_size=BS, enable_prefix_caching=True, num_cpu_blocks=6)
-        self.seqs: dict[str, list[int]] = {}  # live on device: token ids whose K/V are in the cache
-        self.swapped: dict[str, list[int]] = {}
+        self.seqs: dict[str, Sequence] = {}  # live on device: all their tokens' K/V are in the cache
+        self.swapped: dict[str, Sequence] = {}
         self.counter = 0
 
     def _new_id(self) -> str:
         self.counter += 1
         return f"r{self.counter}"
 
-    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20))
-    def admit(self, prompt):
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20), salt=st.sampled_from([None, None, "t"]))
+    def admit(self, prompt, salt):
         # Small alphabet: prompts often share prefixes, so the prefix cache gets real hits.
-        rid = self._new_id()
-        cached = self.kv.find_cached_prefix(rid, prompt)
-        assert cached % BS == 0 and cached < len(prompt)
+        seq = _seq(self._new_id(), prompt, salt=salt)
+        blocks, cached = self.kv.get_computed_blocks(seq)
+        assert cached % BS == 0 and cached < len(prompt) and len(blocks) * BS == cached
+        # The oracle: new blocks, plus hit blocks that must leave the free queue, against the free count.
         need = self.kv.num_blocks_needed(len(prompt)) - cached // BS
-        if need + self.kv.blocks_to_take_from_free_queue(rid, cached) > self.kv.num_free_blocks:
-            self.kv.free(rid)
+        fits = need + sum(1 for b in blocks if b.ref_cnt == 0) <= self.kv.num_free_blocks
+        new = self.kv.allocate_slots(seq, len(prompt) - cached, blocks)
+        assert (new is not None) == fits
+        if new is None:
+            self.kv.free(seq)
             return
-        self.kv.take_cached_prefix(rid, cached, num_query_tokens=len(prompt))
-        assert self.kv.allocate_slots(rid, cached, len(prompt) - cached)
-        self.kv.cache_full_blocks(rid, prompt, len(prompt))
-        self.seqs[rid] = list(prompt)
+        assert len(new) == need
+        seq.num_computed_tokens = len(prompt)
+        self.kv.cache_blocks(seq, len(prompt))
+        self.seqs[seq.seq_id] = seq
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), n=st.integers(1, 6))
     def append(self, data, n):
-        rid = data.draw(st.sampled_from(sorted(self.seqs)))
-        tokens = self.seqs[rid]
-        if self.kv.allocate_slots(rid, len(tokens), n):
-            tokens.extend(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)))
-            self.kv.cache_full_blocks(rid, tokens, len(tokens))
+        seq = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        if self.kv.allocate_slots(seq, n) is not None:
+            for token in data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)):
+                seq.append_output_token(token)
+            seq.num_computed_tokens = seq.num_tokens
+            self.kv.cache_blocks(seq, seq.num_tokens)
             self.kv.take_pending_copies()
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.seqs)))
-        child = self._new_id()
+        parent = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        child = _seq(self._new_id(), parent.all_token_ids, salt=parent.cache_salt, num_computed=parent.num_tokens)
         self.kv.fork(parent, child)
-        self.seqs[child] = list(self.seqs[parent])
+        self.seqs[child.seq_id] = child
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def finish_or_abort_or_preempt(self, data):
-        # For the books, finish, abort and recompute-preemption all drop every block of the request.
+        # For the books, finish, abort and recompute-preemption all drop every block of the sequence.
         rid = data.draw(st.sampled_from(sorted(self.seqs)))
-        self.kv.free(rid)
-        del self.seqs[rid]
+        self.kv.free(self.seqs.pop(rid))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def swap_out(self, data):
         rid = data.draw(st.sampled_from(sorted(self.seqs)))
-        if self.kv.can_swap_out(rid):
-            self.kv.swap_out(rid)
+        if self.kv.can_swap_out(self.seqs[rid]):
+            self.kv.swap_out(self.seqs[rid])
             self.swapped[rid] = self.seqs.pop(rid)
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
     def swap_in(self, data):
         rid = data.draw(st.sampled_from(sorted(self.swapped)))
-        if self.kv.can_swap_in(rid):
-            tokens = self.swapped.pop(rid)
-            self.kv.swap_in(rid, len(tokens))
-            self.seqs[rid] = tokens
+        if self.kv.can_swap_in(self.swapped[rid]):
+            seq = self.swapped.pop(rid)
+            self.kv.swap_in(seq)
+            self.seqs[rid] = seq
 
     @precondition(lambda self: self.swapped)
     @rule(data=st.data())
     def abort_swapped(self, data):
         rid = data.draw(st.sampled_from(sorted(self.swapped)))
-        self.kv.free(rid)
-        del self.swapped[rid]
+        self.kv.free(self.swapped.pop(rid))
 
     @invariant()
     def books_balance(self):
         self.kv.check_invariants()
-        for rid, tokens in self.seqs.items():
-            assert len(self.kv.block_ids(rid)) == self.kv.num_blocks_needed(len(tokens))
+        for seq in self.seqs.values():
+            assert len(self.kv.block_ids(seq)) == self.kv.num_blocks_needed(seq.num_tokens)
 
     def teardown(self):
-        for rid in list(self.seqs) + list(self.swapped):
-            self.kv.free(rid)
+        for seq in list(self.seqs.values()) + list(self.swapped.values()):
+            self.kv.free(seq)
         self.kv.check_invariants()
         assert self.kv.num_free_blocks == self.kv.num_blocks
         assert len(self.kv.free_cpu_blocks) == self.kv.num_cpu_blocks

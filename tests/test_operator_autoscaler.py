@@ -16,7 +16,7 @@ def obs(*kv: float, waiting: float = 0.0, failed: int = 0, not_ready: int = 0) -
 
 def simulate(policy: Policy, load: Callable[[float], float], until: float, interval: float = 10.0,
              start: int = 1, ready_after: float = 0.0,
-             failing: Callable[[float], bool] = lambda t: False) -> list[tuple[float, int, Decision]]:
+             failing: Callable[[float], bool] = lambda _t: False) -> list[tuple[float, int, Decision]]:
     """A tiny cluster: `load(t)` is the KV demand in whole-pod units; each Ready pod holds an equal share,
     at most 1.0. New pods become Ready `ready_after` seconds after the scale-up that made them."""
     scaler = Autoscaler(policy)

@@ -73,8 +73,7 @@ async def test_create_update_and_status(monkeypatch, tmp_path):
                              what="PDB removed")
 
             # The Deployment reports a ready pod: the CR's Ready condition follows.
-            await k.call("PATCH", f"/apis/apps/v1/namespaces/{NS}/deployments/llm",
-                         {"status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}})
+            await k.set_deployment_status(NS, "llm", {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1})
 
             async def ready():
                 obj = await k.cr(NS, "llm")
@@ -195,3 +194,19 @@ async def test_python_m_entry_point_runs_the_operator(tmp_path):
             proc.send_signal(signal.SIGTERM)
             out, _ = await asyncio.wait_for(proc.communicate(), timeout=20)
         assert proc.returncode == 0, out.decode()[-2000:]
+
+
+async def test_restart_of_the_operator_causes_no_rollout(monkeypatch, tmp_path):
+    """The resume after a restart re-applies the same manifests: the pod template (a rollout) stays as it was."""
+    async with cluster(tmp_path) as k:
+        spec = {"model": {"uri": "hf://org/m"}, "replicas": 2, "engine": {"extraArgs": ["--seed", "1"]}}
+        with operator(monkeypatch, tmp_path, k.url):
+            await k.create_cr(NS, cr("llm", spec, uid="uid-r"))
+            before = await eventually(lambda: k.deployment(NS, "llm"), what="Deployment")
+        # While it is down, the Service goes: its return shows that the restarted operator reconciled.
+        await k.call("DELETE", f"/api/v1/namespaces/{NS}/services/llm")
+        with operator(monkeypatch, tmp_path, k.url):
+            await eventually(lambda: k.get(f"/api/v1/namespaces/{NS}/services/llm"), what="Service re-created")
+            after = await k.deployment(NS, "llm")
+        assert after["spec"]["template"] == before["spec"]["template"]
+        assert after["spec"]["replicas"] == before["spec"]["replicas"] == 2

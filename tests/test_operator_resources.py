@@ -12,10 +12,7 @@ META = {"name": "llm", "namespace": "ml", "uid": "u-1"}
 
 
 def spec(**overrides) -> dict:
-    base = {"model": {"uri": "hf://org/model"}}
-    for key, value in overrides.items():
-        base[key] = value
-    return crd.default_spec(base)
+    return crd.default_spec({"model": {"uri": "hf://org/model"}, **overrides})
 
 
 def container(s: dict) -> dict:

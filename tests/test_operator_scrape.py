@@ -90,12 +90,3 @@ async def test_scrape_concurrently_with_failures_and_timeouts():
     assert set(result.errors) == {"broken", "slow", "closed"}
     assert "HTTP 500" in result.errors["broken"]
 
-
-def test_main_parses_options():
-    from kvpilot.operator.__main__ import build_parser, default_priority
-    args = build_parser().parse_args(["-n", "a", "-n", "b", "--peering", "p", "--metrics-port", "0"])
-    assert (args.namespace, args.peering, args.metrics_port, args.all_namespaces) == (["a", "b"], "p", 0, False)
-    assert default_priority("op-1") != default_priority("op-2")
-    assert 1 <= default_priority("x") <= 10_000
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["-A", "-n", "a"])

@@ -1,7 +1,7 @@
 """kvpilot's inference engine: paged KV cache, continuous batching, real Hugging Face models."""
 
 from .config import EngineConfig
-from .request import CompletionOutput, Logprob, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = [

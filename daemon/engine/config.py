@@ -2,37 +2,55 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_MODEL = "builtin://smollm2-135m"
 
 
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start. Field names follow vLLM's engine args."""
 
-    model: str = "builtin://smollm2-135m"
-    served_model_name: str | None = None
-    dtype: str = "auto"  # auto: bf16 where the CPU/GPU supports it, else fp32
-    device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16
-    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None  # bytes for K+V on CPU; None: 1 GiB
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None  # overrides the memory-based sizing (tests, benchmarks)
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    swap_space: float = 1.0  # GiB of CPU memory for swapped-out blocks
-    seed: int = 0
+    model: str = field(default=DEFAULT_MODEL, metadata={
+        "help": "model URI: builtin://NAME, hf://org/name, pvc://claim/path or a local path"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "the name the engine reports the model under (default: the model URI)"})
+    dtype: str = field(default="auto", metadata={
+        "choices": DTYPES, "help": "weights and activations; auto: bf16 where the CPU/GPU supports it, else fp32"})
+    device: str = field(default="auto", metadata={
+        "choices": DEVICES, "help": "auto: cuda when available, else cpu"})
+    block_size: int = field(default=16, metadata={
+        "choices": BLOCK_SIZES, "help": "tokens per KV cache block"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context length, prompt plus completion (default: the model's own limit, capped at 8192)"})
+    max_num_seqs: int = field(default=256, metadata={
+        "help": "sequences in the running batch at most"})
+    max_num_batched_tokens: int = field(default=2048, metadata={
+        "help": "tokens one scheduler step may process at most"})
+    kv_cache_memory: int | None = field(default=None, metadata={
+        "help": "bytes for the KV cache on CPU, e.g. 256MiB (default 1 GiB)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of GPU memory the engine may use, KV cache included"})
+    num_kv_blocks: int | None = field(default=None, metadata={
+        "help": "fixed number of KV blocks (overrides memory sizing; tests, benchmarks)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of prompt prefixes seen before"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "choices": SCHEDULING_POLICIES, "help": "fcfs, or priority (ordered by the requests' 'priority' field)"})
+    preemption_mode: str = field(default="recompute", metadata={
+        "choices": PREEMPTION_MODES, "help": "what happens to a preempted sequence's KV blocks"})
+    swap_space: float = field(default=1.0, metadata={
+        "help": "GiB of CPU memory for swapped-out blocks"})
+    seed: int = field(default=0, metadata={"help": "random seed of the engine"})
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -1,21 +1,22 @@
-"""Paged KV-cache bookkeeping: a block pool with prefix caching, and per-request block tables.
+"""Paged KV-cache bookkeeping: a block pool with prefix caching, and a block table per sequence.
 
 Nothing here touches tensors. The model runner owns the cache tensors; this module decides which
-block ids each request owns, which blocks must be copied (copy-on-write) or swapped, and which
+block ids each sequence owns, which blocks must be copied (copy-on-write) or swapped, and which
 blocks can be reused from the prefix cache.
+
+The scheduler admits a sequence with two calls: `get_computed_blocks(seq)` finds the cached
+prefix (taking nothing), and `allocate_slots(seq, num_new_tokens, computed_blocks)` takes those
+blocks plus room for the new tokens, or returns None and changes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-BlockHash = int
+from kvpilot.block_hash import BlockHash, hash_block_tokens
 
-
-def hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of a full block: chained through the parent's hash, so equal hashes mean equal prefixes."""
-    return hash((parent_hash, tuple(token_ids)))
+from .sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:
@@ -104,7 +105,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, Block] = {}
-        self.num_evictions = 0
+        # Free blocks that still hold cached content, counted as they move (stats read it every step).
+        self.num_cached_free = 0
 
     @property
     def num_free(self) -> int:
@@ -116,17 +118,17 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
-            self._evict(block)
+            if block.block_hash is not None:
+                self.num_cached_free -= 1
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
     def _evict(self, block: Block) -> None:
-        if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash = None
-            self.num_evictions += 1
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def lookup(self, block_hash: BlockHash) -> Block | None:
         return self.cached.get(block_hash)
@@ -135,6 +137,8 @@ class BlockPool:
         """Add a reference to a block found in the prefix cache (it may be sitting in the free queue)."""
         if block.ref_cnt == 0:
             self.free_queue.remove(block)
+            if block.block_hash is not None:
+                self.num_cached_free -= 1
         block.ref_cnt += 1
 
     def release(self, blocks: Iterable[Block]) -> None:
@@ -146,6 +150,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self.free_queue.append(block)  # keep its content as long as possible (LRU)
+                    self.num_cached_free += 1
                 else:
                     self.free_queue.appendleft(block)  # nothing worth keeping: reuse it first
 
@@ -162,6 +167,7 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.num_cached_free = 0
 
 
 @dataclass
@@ -170,9 +176,11 @@ class KVStats:
     num_free_blocks: int
     num_used_blocks: int
     num_cached_free_blocks: int
-    num_used_slots: int  # token slots holding a token of a live request
-    num_allocated_slots: int  # token slots in blocks held by live requests
+    num_used_slots: int  # token slots holding a token of a live sequence
+    num_allocated_slots: int  # token slots in blocks held by live sequences
     block_size: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, all time
+    prefix_cache_hits: int = 0  # of those, tokens served from it
 
     @property
     def usage(self) -> float:
@@ -193,13 +201,13 @@ class KVStats:
 class _Table:
     blocks: list[Block] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # block ids, parallel to `blocks` (handed to the runner)
-    hashes: list[BlockHash] = field(default_factory=list)  # hashes of this request's full blocks so far
+    hashes: list[BlockHash] = field(default_factory=list)  # hashes of this sequence's full blocks so far
     num_registered: int = 0  # leading blocks already published in the prefix cache
     num_tokens: int = 0  # tokens whose K/V the blocks hold (after the current step)
 
 
 class KVCacheManager:
-    """Block tables per request on top of a BlockPool, plus a CPU pool for swap preemption."""
+    """Block tables per sequence on top of a BlockPool, plus a CPU pool for swap preemption."""
 
     def __init__(
         self,
@@ -229,170 +237,180 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table. A live view: read it, never change it."""
-        table = self.tables.get(request_id)
+    def block_ids(self, seq: Sequence) -> list[int]:
+        """The sequence's block table. A live view: read it, never change it."""
+        table = self.tables.get(seq.seq_id)
         return [] if table is None else table.ids
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
     # ----------------------------------------------------------------- prefix cache
-    def _extend_hashes(self, table: _Table, token_ids: Sequence[int], upto_tokens: int) -> None:
+    def _extend_hashes(self, table: _Table, seq: Sequence, upto_tokens: int) -> None:
         bs = self.block_size
+        token_ids = seq.all_token_ids
         while len(table.hashes) < upto_tokens // bs:
             i = len(table.hashes)
             parent = table.hashes[-1] if table.hashes else None
-            table.hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs]))
+            # The salt goes into the first block only; the chain carries it into every later block.
+            extra = (seq.cache_salt,) if i == 0 and seq.cache_salt is not None else ()
+            table.hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], extra))
 
-    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Take the longest cached prefix of full blocks for a request with no blocks yet.
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:
+        """The longest cached prefix of full blocks for a sequence that holds no blocks yet.
 
-        At least one token is always left to compute, so the model produces logits for sampling.
-        Returns the number of tokens served from the cache.
+        Takes no reference (pass the blocks to allocate_slots for that). At least one token is always
+        left to compute, so the model produces logits for sampling. Returns (blocks, tokens they hold).
         """
-        if request_id in self.tables and self.tables[request_id].blocks:
-            raise RuntimeError(f"request {request_id} already holds blocks")
-        table = self.tables.setdefault(request_id, _Table())
+        table = self.tables.setdefault(seq.seq_id, _Table())
+        if table.blocks:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
         if not self.enable_prefix_caching:
-            return 0
-        max_cached_blocks = (len(token_ids) - 1) // self.block_size
-        self._extend_hashes(table, token_ids, max_cached_blocks * self.block_size)
+            return [], 0
+        max_cached_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(table, seq, max_cached_blocks * self.block_size)
         hits: list[Block] = []
         for block_hash in table.hashes[:max_cached_blocks]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
 
-    def take_cached_prefix(self, request_id: str, num_cached_tokens: int, num_query_tokens: int) -> None:
-        """Reference the blocks found by find_cached_prefix (done only once admission is certain)."""
-        if self.enable_prefix_caching:
-            self.prefix_queries_tokens += num_query_tokens
-            self.prefix_hits_tokens += num_cached_tokens
-        table = self.tables[request_id]
-        num = num_cached_tokens // self.block_size
-        for block_hash in table.hashes[:num]:
-            block = self.pool.lookup(block_hash)
-            assert block is not None, "cached block vanished between lookup and take"
-            self.pool.take(block)
-            table.blocks.append(block)
-            table.ids.append(block.block_id)
-        table.num_registered = num
-        table.num_tokens = num * self.block_size
-
-    def blocks_to_take_from_free_queue(self, request_id: str, num_cached_tokens: int) -> int:
-        """How many of the hit blocks are currently unreferenced (taking them shrinks the free queue)."""
-        table = self.tables[request_id]
-        num = num_cached_tokens // self.block_size
-        count = 0
-        for block_hash in table.hashes[:num]:
-            block = self.pool.lookup(block_hash)
-            if block is not None and block.ref_cnt == 0:
-                count += 1
-        return count
-
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Publish blocks that the last step filled completely."""
-        table = self.tables.get(request_id)
-        if table is None or not self.enable_prefix_caching:
+    def cache_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Publish the blocks that are now completely filled (after a step computed up to here)."""
+        table = self.tables.get(seq.seq_id)
+        # Fast path first: called for every scheduled sequence after every step.
+        if table is None or num_computed_tokens // self.block_size <= table.num_registered:
             return
         num_full = min(num_computed_tokens // self.block_size, len(table.blocks))
-        if num_full <= table.num_registered:
+        if num_full <= table.num_registered or not self.enable_prefix_caching:
             return
-        self._extend_hashes(table, token_ids, num_full * self.block_size)
+        self._extend_hashes(table, seq, num_full * self.block_size)
         for i in range(table.num_registered, num_full):
             self.pool.register(table.blocks[i], table.hashes[i])
         table.num_registered = num_full
 
     # ----------------------------------------------------------------- allocation
-    def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` tokens after `num_computed_tokens`.
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Block] | tuple = ()
+    ) -> list[Block] | None:
+        """Make room for `num_new_tokens` after the sequence's computed tokens and `computed_blocks`.
 
-        Copies a shared partially filled block before it is written (copy-on-write). Returns False,
-        changing nothing, when the pool cannot supply the blocks.
+        `computed_blocks` (from get_computed_blocks, for a sequence holding no blocks) are referenced
+        here, once admission is certain. A shared partially filled block is copied before it is
+        written (copy-on-write). Returns the newly allocated blocks, or None, changing nothing, when
+        the pool cannot supply them.
         """
-        table = self.tables.get(request_id)
+        table = self.tables.get(seq.seq_id)
         if table is None:
-            table = self.tables[request_id] = _Table()
-        total = num_computed_tokens + num_new_tokens
-        have = len(table.blocks)
-        need_new = max(0, -(-total // self.block_size) - have)
-        write_idx = num_computed_tokens // self.block_size
-        needs_cow = num_new_tokens > 0 and write_idx < have and table.blocks[write_idx].ref_cnt > 1
-        if not need_new and not needs_cow:  # the common decode step: room in the last block
+            table = self.tables[seq.seq_id] = _Table()
+        bs = self.block_size
+        blocks = table.blocks
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * bs
+        total = num_computed + num_new_tokens
+        need_new = max(0, -(-total // bs) - len(blocks) - len(computed_blocks))  # cdiv, inlined: hot path
+        write_idx = num_computed // bs
+        needs_cow = num_new_tokens > 0 and write_idx < len(blocks) and blocks[write_idx].ref_cnt > 1
+        if not need_new and not needs_cow and not computed_blocks:  # the common decode step
             table.num_tokens = total
-            return True
-        if need_new + int(needs_cow) > self.pool.num_free:
-            return False
+            return []
+        if computed_blocks and table.blocks:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks; computed blocks are for admission")
+        # Computed blocks sitting in the free queue leave it when taken, so they count against it too.
+        from_free_queue = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need_new + int(needs_cow) + from_free_queue > self.pool.num_free:
+            return None
+        if not table.blocks:
+            self._take_computed(table, seq, computed_blocks)
         if needs_cow:
-            shared = table.blocks[write_idx]
-            (fresh,) = self.pool.allocate(1)
-            self.pending_copies.append((shared.block_id, fresh.block_id))
-            table.blocks[write_idx] = fresh
-            table.ids[write_idx] = fresh.block_id
-            self.pool.release([shared])
-        if need_new:
-            fresh_blocks = self.pool.allocate(need_new)
-            table.blocks.extend(fresh_blocks)
-            table.ids.extend(b.block_id for b in fresh_blocks)
+            self._copy_on_write(table, write_idx)
+        fresh_blocks = self.pool.allocate(need_new) if need_new else []
+        table.blocks.extend(fresh_blocks)
+        table.ids.extend(b.block_id for b in fresh_blocks)
         table.num_tokens = total
-        return True
+        return fresh_blocks
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def _take_computed(self, table: _Table, seq: Sequence, computed_blocks: list[Block] | tuple) -> None:
+        self._count_prefix_query(seq, len(computed_blocks) * self.block_size)
+        for block in computed_blocks:
+            self.pool.take(block)
+            table.blocks.append(block)
+            table.ids.append(block.block_id)
+        table.num_registered = len(computed_blocks)
+
+    def _count_prefix_query(self, seq: Sequence, num_hit_tokens: int) -> None:
+        # A sequence taking its first blocks is one prefix-cache lookup of its whole token list.
+        if self.enable_prefix_caching:
+            self.prefix_queries_tokens += seq.num_tokens
+            self.prefix_hits_tokens += num_hit_tokens
+
+    def _copy_on_write(self, table: _Table, idx: int) -> None:
+        shared = table.blocks[idx]
+        (fresh,) = self.pool.allocate(1)
+        self.pending_copies.append((shared.block_id, fresh.block_id))
+        table.blocks[idx] = fresh
+        table.ids[idx] = fresh.block_id
+        self.pool.release([shared])
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes into a shared block copy it first."""
-        parent = self.tables[parent_id]
-        if child_id in self.tables:
-            raise RuntimeError(f"request {child_id} already has a block table")
-        for block in parent.blocks:
+        table = self.tables[parent.seq_id]
+        if child.seq_id in self.tables:
+            raise RuntimeError(f"sequence {child.seq_id} already has a block table")
+        for block in table.blocks:
             block.ref_cnt += 1
-        self.tables[child_id] = _Table(
-            blocks=list(parent.blocks),
-            ids=list(parent.ids),
-            hashes=list(parent.hashes),
-            num_registered=parent.num_registered,
-            num_tokens=parent.num_tokens,
+        self.tables[child.seq_id] = _Table(
+            blocks=list(table.blocks),
+            ids=list(table.ids),
+            hashes=list(table.hashes),
+            num_registered=table.num_registered,
+            num_tokens=table.num_tokens,
         )
 
-    def free(self, request_id: str) -> None:
-        """Release everything a request holds, on the device and in the CPU pool."""
-        table = self.tables.pop(request_id, None)
+    def free(self, seq: Sequence) -> None:
+        """Release everything a sequence holds, on the device and in the CPU pool."""
+        table = self.tables.pop(seq.seq_id, None)
         if table is not None:
             # Tail blocks first: they are the least likely to be shared by another prompt.
             self.pool.release(reversed(table.blocks))
-        cpu = self.cpu_tables.pop(request_id, None)
+        cpu = self.cpu_tables.pop(seq.seq_id, None)
         if cpu:
             self.free_cpu_blocks.extend(cpu)
 
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
     # ----------------------------------------------------------------- swap
-    def can_swap_out(self, request_id: str) -> bool:
-        table = self.tables.get(request_id)
+    def can_swap_out(self, seq: Sequence) -> bool:
+        table = self.tables.get(seq.seq_id)
         return table is not None and len(table.blocks) <= len(self.free_cpu_blocks)
 
-    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-        """Move a request's blocks to the CPU pool. Returns (device block, cpu block) pairs to copy."""
-        table = self.tables.pop(request_id)
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move a sequence's blocks to the CPU pool. Returns (device block, cpu block) pairs to copy."""
+        table = self.tables.pop(seq.seq_id)
         cpu_ids = [self.free_cpu_blocks.pop() for _ in table.blocks]
         pairs = [(b.block_id, c) for b, c in zip(table.blocks, cpu_ids, strict=True)]
-        self.cpu_tables[request_id] = cpu_ids
+        self.cpu_tables[seq.seq_id] = cpu_ids
         self.pool.release(reversed(table.blocks))
         return pairs
 
-    def can_swap_in(self, request_id: str, extra_tokens: int = 1) -> bool:
-        cpu = self.cpu_tables.get(request_id, [])
-        return len(cpu) + 1 <= self.pool.num_free
+    def can_swap_in(self, seq: Sequence) -> bool:
+        # One block more than it had: room for the token it computes next.
+        return len(self.cpu_tables.get(seq.seq_id, [])) + 1 <= self.pool.num_free
 
-    def swap_in(self, request_id: str, num_tokens: int) -> list[tuple[int, int]]:
-        """Bring a swapped request back. Returns (cpu block, device block) pairs to copy."""
-        cpu_ids = self.cpu_tables.pop(request_id)
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring a swapped sequence back. Returns (cpu block, device block) pairs to copy."""
+        cpu_ids = self.cpu_tables.pop(seq.seq_id)
         blocks = self.pool.allocate(len(cpu_ids))
-        self.tables[request_id] = _Table(blocks=blocks, ids=[b.block_id for b in blocks], num_tokens=num_tokens)
+        self.tables[seq.seq_id] = _Table(
+            blocks=blocks, ids=[b.block_id for b in blocks], num_tokens=seq.num_computed_tokens
+        )
         self.free_cpu_blocks.extend(cpu_ids)
         return [(c, b.block_id) for c, b in zip(cpu_ids, blocks, strict=True)]
 
-    def is_swapped(self, request_id: str) -> bool:
-        return request_id in self.cpu_tables
+    def is_swapped(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.cpu_tables
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -411,15 +429,16 @@ class KVCacheManager:
                 allocated += self.block_size
                 used_slots += max(0, min(self.block_size, table.num_tokens - i * self.block_size))
         num_free = self.pool.num_free
-        cached_free = sum(1 for b in self.pool.free_queue if b.block_hash is not None)
         return KVStats(
             num_total_blocks=self.pool.num_blocks,
             num_free_blocks=num_free,
             num_used_blocks=self.pool.num_blocks - num_free,
-            num_cached_free_blocks=cached_free,
+            num_cached_free_blocks=self.pool.num_cached_free,
             num_used_slots=used_slots,
             num_allocated_slots=allocated,
             block_size=self.block_size,
+            prefix_cache_queries=self.prefix_queries_tokens,
+            prefix_cache_hits=self.prefix_hits_tokens,
         )
 
     def check_invariants(self) -> None:
@@ -435,6 +454,8 @@ class KVCacheManager:
             assert block.ref_cnt == expected, f"{block}: ref {block.ref_cnt} != table refs {expected}"
             assert (block.block_id in free_ids) == (expected == 0), f"{block}: free-queue membership wrong"
         assert len(free_ids) + len(refs) == self.pool.num_blocks, "free + used != total"
+        cached_free = sum(1 for b in self.pool.free_queue if b.block_hash is not None)
+        assert cached_free == self.pool.num_cached_free, "cached-free counter is off"
         for block_hash, block in self.pool.cached.items():
             assert block.block_hash == block_hash, f"{block}: cache map points at a block with another hash"
         for block in self.pool.blocks:

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
-from .request import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -86,7 +86,7 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            self.engine.abort_request(list(self.engine.groups))
+            self.engine.abort_request(list(self.engine.requests))
             raise
         finally:
             bar.close()
@@ -131,7 +131,7 @@ class LLM:
         step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width)
         results = []
         for prompt in prompts:
-            _, prompt_ids = self.engine._prompt_tokens(prompt)
+            prompt_ids = self.engine.input_processor.process_prompt(prompt).token_ids
             beams = [BeamSearchSequence(tokens=list(prompt_ids))]
             finished: list[BeamSearchSequence] = []
             for _ in range(params.max_tokens):

@@ -18,6 +18,7 @@ import torch
 
 from kvpilot import kernels
 
+from . import cuda_graphs
 from .config import EngineConfig
 from .loader import LoadedModel
 from .models import AttentionMetadata
@@ -89,6 +90,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_cpu_blocks = 0
         self._threads_set_for: int | None = None  # thread whose intra-op pool we sized
+        self._graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, built by warmup()
         self._ensure_threads()
 
     def _ensure_threads(self) -> None:
@@ -285,7 +287,11 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         self._ensure_threads()
         input_ids, positions, meta, rows = self._prepare(entries)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = None
+        if self._graphs is not None and meta.max_query_len == 1:
+            hidden = self._graphs.run(input_ids, positions, meta)  # None: no bucket fits, run eagerly
+        if hidden is None:
+            hidden = self.model(input_ids, positions, meta)
         if rows.size == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         if rows.size != hidden.shape[0]:  # all-decode batches keep every row: no gather
@@ -299,3 +305,18 @@ class ModelRunner:
         self.execute([SeqBatchEntry(token_ids=[0], start_pos=n, block_table=[0], compute_logits=True)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.capture_cuda_graphs()
+
+    def capture_cuda_graphs(self) -> None:
+        """Decode graphs per batch-size bucket (see cuda_graphs); a failed capture leaves eager mode."""
+        if not cuda_graphs.enabled(self.device) or self._graphs is not None:
+            return
+        sizes = cuda_graphs.capture_sizes(self.config.max_num_seqs)
+        max_blocks = -(-self.loaded.max_model_len // self.block_size)
+        graphs = cuda_graphs.DecodeGraphs(self.model, sizes, max_blocks, self.loaded.max_model_len, self.device)
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # e.g. a kernel that syncs during capture: run eagerly, say why
+            logger.warning("CUDA graph capture failed (%s); decode runs eagerly", e)
+            return
+        self._graphs = graphs

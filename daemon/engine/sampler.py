@@ -4,6 +4,7 @@ One call handles a whole batch: each row of `logits` has its own `SamplingState`
 batched tensor op with per-row parameters, and a step runs only when some row in the batch needs it.
 
 Order of operations (vLLM's):
+  0. logit_bias (OpenAI) is added to the raw logits of the rows that have one.
   1. penalties on the raw logits: repetition (prompt + output tokens), then frequency and presence
      (output tokens only); then the min_tokens mask (eos and stop_token_ids get -inf).
   2. logprobs are taken here: log_softmax of these processed logits, before temperature and
@@ -181,10 +182,13 @@ class Sampler:
                     if 0 <= t < vocab:
                         mask_rows.append(i)
                         mask_toks.append(t)
-        if not pen_rows and not mask_rows:
+        bias_rows = [i for i, s in enumerate(states) if s.params.logit_bias]
+        if not pen_rows and not mask_rows and not bias_rows:
             return logits
         proc = self._buffer("proc", n, vocab, device)
         proc.copy_(logits)
+        if bias_rows:  # OpenAI's logit_bias: added to the raw logits, before penalties (vLLM's order)
+            _apply_logit_bias(proc, [states[i].params for i in bias_rows], bias_rows)
         if pen_rows:
             _apply_penalties(proc, [states[i] for i in pen_rows], pen_rows)
         if mask_rows:
@@ -310,6 +314,25 @@ def _sample_top_k(logits: torch.Tensor, params: list[SamplingParams], u: torch.T
         w = w * keep
     j = _inverse_cdf(w, u, torch.empty_like(w))
     return ids.gather(1, j[:, None]).squeeze(1)
+
+
+def _apply_logit_bias(proc: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
+    """proc[row, token] += bias for every (token, bias) of each row's logit_bias; ids outside the
+    logits' width are skipped (the input processor has already refused ids outside the vocabulary)."""
+    vocab = proc.shape[1]
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    vals: list[float] = []
+    for row, p in zip(rows, params, strict=True):
+        for tid, bias in (p.logit_bias or {}).items():
+            if 0 <= tid < vocab:
+                r_idx.append(row)
+                t_idx.append(tid)
+                vals.append(float(bias))
+    if r_idx:
+        device = proc.device
+        proc.index_put_((torch.tensor(r_idx, device=device), torch.tensor(t_idx, device=device)),
+                        torch.tensor(vals, dtype=proc.dtype, device=device), accumulate=True)
 
 
 def _has_penalty(p: SamplingParams) -> bool:

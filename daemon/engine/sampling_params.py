@@ -28,6 +28,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token
     length_penalty: float = 1.0  # beam search only
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> additive bias in [-100, 100] (OpenAI)
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (vLLM extra); echo uses it
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -82,6 +84,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        self._validate_logit_bias()
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.use_beam_search:
@@ -89,6 +95,17 @@ class SamplingParams:
                 raise ValueError("temperature is not used with beam search; leave it at 0 or 1")
             if self.n < 2 and (self.best_of or 1) < 2:
                 raise ValueError("beam search needs n (beam width) >= 2")
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        for tid, bias in self.logit_bias.items():
+            if not _is_int(tid) or tid < 0:
+                raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {tid!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: values must be numbers in [-100, 100], got {bias!r} for token {tid}")
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +115,10 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """How many sequences run for this request (best_of candidates when set)."""
         return max(self.n, self.best_of or 0)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """Iteration-level scheduler: continuous batching under a token budget, chunked prefill, preemption.
 
-Each step spends `max_num_batched_tokens`. Running requests (decodes and unfinished prefill chunks)
-are served first in policy order; then waiting requests are admitted while budget, sequence slots
-and KV blocks last. When a running request cannot get a block, the least important running request
-is preempted (recompute: drop its blocks; swap: move them to the CPU pool).
+Each step spends `max_num_batched_tokens`. Running sequences (decodes and unfinished prefill chunks)
+are served first in policy order; then waiting sequences are admitted while budget, sequence slots
+and KV blocks last. When a running sequence cannot get a block, the least important running
+sequence is preempted (recompute: drop its blocks; swap: move them to the CPU pool).
+
+The scheduler owns the KV cache manager and only asks it yes/no questions: how much of a sequence
+is cached (`get_computed_blocks`) and whether it can have room for n more tokens (`allocate_slots`).
 """
 
 from __future__ import annotations
@@ -11,15 +14,37 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from .config import EngineConfig
-from .kv_cache import KVCacheManager
-from .request import Request, RequestStatus
+from .kv_cache import KVCacheManager, KVStats
+from .sequence import Sequence, SequenceStatus
+
+
+class KVManager(Protocol):
+    """What the scheduler needs from a KV cache manager (KVCacheManager; a fake in the tests)."""
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[Any], int]: ...
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, computed_blocks: list[Any] | tuple = ()
+    ) -> list[Any] | None: ...
+    def block_ids(self, seq: Sequence) -> list[int]: ...
+    def cache_blocks(self, seq: Sequence, num_computed_tokens: int) -> None: ...
+    def fork(self, parent: Sequence, child: Sequence) -> None: ...
+    def free(self, seq: Sequence) -> None: ...
+    def is_swapped(self, seq: Sequence) -> bool: ...
+    def can_swap_out(self, seq: Sequence) -> bool: ...
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]: ...
+    def can_swap_in(self, seq: Sequence) -> bool: ...
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]: ...
+    def take_pending_copies(self) -> list[tuple[int, int]]: ...
+    def reset_prefix_cache(self) -> None: ...
+    def stats(self) -> KVStats: ...
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
+class ScheduledSequence:
+    seq: Sequence
     num_new_tokens: int
     start_pos: int  # == num_computed_tokens when scheduled
     block_table: list[int]
@@ -27,16 +52,16 @@ class ScheduledRequest:
     @property
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the last known token, so the step must sample."""
-        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+        return self.start_pos + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
@@ -45,73 +70,81 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        num_cpu_blocks: int = 0,
+        kv_manager: KVManager | None = None,
+    ) -> None:
         self.config = config
-        self.kv = kv
-        self.max_model_len = max_model_len
+        # kv_manager: a stand-in for tests; the engine lets the scheduler build the real one.
+        self.kv_manager: KVManager = kv_manager or KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+        )
         self.policy = config.scheduling_policy
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}
         self.num_preemptions_total = 0
 
     # ----------------------------------------------------------------- queue management
-    def _sort_key(self, req: Request) -> tuple:
+    def _sort_key(self, seq: Sequence) -> tuple:
         # Lower `priority` value = more important (vLLM's convention); ties go to the earlier arrival.
         if self.policy == "priority":
-            return (req.priority, req.arrival_time)
-        return (req.arrival_time,)
+            return (seq.priority, seq.arrival_time)
+        return (seq.arrival_time,)
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        request.status = RequestStatus.WAITING
-        self._enqueue_waiting(request)
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.seq_id in self.sequences:
+            raise ValueError(f"sequence id {seq.seq_id!r} is already in use")
+        self.sequences[seq.seq_id] = seq
+        seq.status = SequenceStatus.WAITING
+        self._enqueue_waiting(seq)
 
-    def _enqueue_waiting(self, request: Request, front: bool = False) -> None:
+    def _enqueue_waiting(self, seq: Sequence, front: bool = False) -> None:
         if self.policy == "priority":
-            # Keep the queue ordered by importance; preempted requests keep their original arrival.
-            key = self._sort_key(request)
+            # Keep the queue ordered by importance; preempted sequences keep their original arrival.
+            key = self._sort_key(seq)
             idx = 0
             for idx, other in enumerate(self.waiting):  # noqa: B007 - idx is used after the loop
                 if key < self._sort_key(other):
                     break
             else:
                 idx = len(self.waiting)
-            self.waiting.insert(idx, request)
+            self.waiting.insert(idx, seq)
         elif front:
-            self.waiting.appendleft(request)
+            self.waiting.appendleft(seq)
         else:
-            self.waiting.append(request)
+            self.waiting.append(seq)
 
-    def add_forked(self, parent: Request, child: Request) -> None:
+    def add_forked(self, parent: Sequence, child: Sequence) -> None:
         """Register a child that shares the parent's blocks and runs from the parent's position."""
-        self.kv.fork(parent.request_id, child.request_id)
+        self.kv_manager.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.status = RequestStatus.RUNNING
-        self.requests[child.request_id] = child
+        child.status = SequenceStatus.RUNNING
+        self.sequences[child.seq_id] = child
         self.running.append(child)
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
+    def finish_sequence(self, seq: Sequence, status: SequenceStatus) -> None:
         assert status.finished
-        if request.request_id not in self.requests:
+        if seq.seq_id not in self.sequences:
             return
-        request.status = status
-        self.kv.free(request.request_id)
-        del self.requests[request.request_id]
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        seq.status = status
+        self.kv_manager.free(seq)
+        del self.sequences[seq.seq_id]
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+    def abort_sequences(self, seq_ids: Iterable[str]) -> list[Sequence]:
         aborted = []
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is not None:
-                self.finish_request(req, RequestStatus.FINISHED_ABORTED)
-                aborted.append(req)
+        for seq_id in seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is not None:
+                self.finish_sequence(seq, SequenceStatus.FINISHED_ABORTED)
+                aborted.append(seq)
         return aborted
 
     @property
@@ -122,101 +155,93 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
+    def kv_stats(self) -> KVStats:
+        return self.kv_manager.stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_manager.reset_prefix_cache()
 
     # ----------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         # Policy order decides who runs first and who is preempted first (from the tail).
         self.running.sort(key=self._sort_key)
-
-        # 1) Running requests, most important first. Victims come from the unscheduled tail.
-        idx = 0
-        running = self.running
-        allocate = self.kv.allocate_slots
-        tables = self.kv.block_ids
-        scheduled = out.scheduled
-        while idx < len(running) and budget > 0:
-            req = running[idx]
-            start = req.num_computed_tokens
-            num_new = min(len(req.all_token_ids) - start, budget)
-            if num_new <= 0:
-                idx += 1
-                continue
-            while not allocate(req.request_id, start, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                break  # it preempted itself: nothing behind it can run either
-            scheduled.append(ScheduledRequest(req, num_new, start, tables(req.request_id)))
-            budget -= num_new
-            idx += 1
-
-        # 2) Admission, unless something was just preempted (memory is tight: let running work drain).
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Admission, unless something was just preempted (memory is tight: let running work drain).
         if not out.preempted:
             budget = self._admit(out, budget)
-
-        out.blocks_to_copy = self.kv.take_pending_copies()
+        out.blocks_to_copy = self.kv_manager.take_pending_copies()
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            rid = req.request_id
-            if self.kv.is_swapped(rid):
-                if not self.kv.can_swap_in(rid):
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running sequences, most important first. Victims come from the unscheduled tail."""
+        idx = 0
+        running = self.running
+        allocate = self.kv_manager.allocate_slots
+        tables = self.kv_manager.block_ids
+        scheduled = out.scheduled
+        while idx < len(running) and budget > 0:
+            seq = running[idx]
+            start = seq.num_computed_tokens
+            num_new = min(len(seq.all_token_ids) - start, budget)
+            if num_new <= 0:
+                idx += 1
+                continue
+            while allocate(seq, num_new) is None:
+                victim = running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
                     break
-                out.blocks_to_swap_in.extend(self.kv.swap_in(rid, req.num_computed_tokens))
-            else:
-                if not self.kv.block_ids(rid):  # new, or preempted in recompute mode
-                    cached = self.kv.find_cached_prefix(rid, req.all_token_ids)
-                    num_new = min(req.num_tokens - cached, budget)
-                    from_free_queue = self.kv.blocks_to_take_from_free_queue(rid, cached)
-                    need = self.kv.num_blocks_needed(cached + num_new) - cached // self.kv.block_size
-                    if need + from_free_queue > self.kv.num_free_blocks:
-                        break
-                    self.kv.take_cached_prefix(rid, cached, num_query_tokens=req.num_tokens)
-                    req.num_computed_tokens = cached
-                    if req.num_preemptions == 0:
-                        req.num_cached_tokens = cached
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(rid, req.num_computed_tokens, num_new):
-                break  # cannot happen after the checks above, unless swap-in left no room
+            if seq.status != SequenceStatus.RUNNING:
+                break  # it preempted itself: nothing behind it can run either
+            scheduled.append(ScheduledSequence(seq, num_new, start, tables(seq)))
+            budget -= num_new
+            idx += 1
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        kv = self.kv_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            computed_blocks: list = []
+            num_cached = 0
+            swapped = kv.is_swapped(seq)
+            fresh = not swapped and seq.num_computed_tokens == 0  # new, or preempted in recompute mode
+            if swapped:
+                if not kv.can_swap_in(seq):
+                    break
+                out.blocks_to_swap_in.extend(kv.swap_in(seq))
+            elif fresh:
+                computed_blocks, num_cached = kv.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+            if kv.allocate_slots(seq, num_new, computed_blocks) is None:
+                break  # no room (after a swap-in only if it left none)
+            if fresh:
+                seq.num_computed_tokens = num_cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = num_cached
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(self._entry(req, num_new))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens, kv.block_ids(seq)))
             budget -= num_new
         return budget
 
-    def _entry(self, req: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(
-            request=req,
-            num_new_tokens=num_new,
-            start_pos=req.num_computed_tokens,
-            block_table=self.kv.block_ids(req.request_id),
-        )
-
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         # A victim scheduled earlier in this step loses its slot in the batch.
         for i, entry in enumerate(out.scheduled):
-            if entry.request is victim:
+            if entry.seq is victim:
                 del out.scheduled[i]
                 break
-        rid = victim.request_id
-        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(rid):
-            out.blocks_to_swap_out.extend(self.kv.swap_out(rid))
-            victim.status = RequestStatus.SWAPPED
+        if self.config.preemption_mode == "swap" and self.kv_manager.can_swap_out(victim):
+            out.blocks_to_swap_out.extend(self.kv_manager.swap_out(victim))
+            victim.status = SequenceStatus.SWAPPED
         else:
-            self.kv.free(rid)
+            self.kv_manager.free(victim)
             victim.num_computed_tokens = 0
-            victim.status = RequestStatus.PREEMPTED
+            victim.status = SequenceStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         out.preempted.append(victim)
@@ -225,13 +250,10 @@ class Scheduler:
     # ----------------------------------------------------------------- after the forward pass
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and publish newly filled blocks to the prefix cache."""
-        bs = self.kv.block_size
-        caching = self.kv.enable_prefix_caching
+        cache_blocks = self.kv_manager.cache_blocks
         for entry in out.scheduled:
-            req = entry.request
-            if req.status != RequestStatus.RUNNING:
+            seq = entry.seq
+            if seq.status != SequenceStatus.RUNNING:
                 continue
-            before = req.num_computed_tokens
-            req.num_computed_tokens = after = before + entry.num_new_tokens
-            if caching and after // bs != before // bs:  # a block filled up
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, after)
+            seq.num_computed_tokens += entry.num_new_tokens
+            cache_blocks(seq, seq.num_computed_tokens)

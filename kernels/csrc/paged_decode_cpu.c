@@ -19,6 +19,9 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef struct {
     const float *q;
@@ -137,6 +140,19 @@ int kvpilot_paged_decode_f32(const float *q, int64_t q_row_stride, const float *
                           bt_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, window, scale,
                           num_threads, i};
     }
+#ifdef _OPENMP
+    /* Built with -fopenmp this runs on the OpenMP pool torch already uses (the same libgomp.so.1):
+     * fresh pthreads would compete for the cores with torch's workers, which spin after each op. */
+    #pragma omp parallel num_threads(num_threads)
+    {
+        job_t mine = jobs[0];  /* the team may be smaller than asked: share by its real size */
+        mine.num_threads = omp_get_num_threads();
+        mine.thread_index = omp_get_thread_num();
+        run_share(&mine);
+    }
+    (void)threads;
+    return 0;
+#endif
     int started = 0;
     for (int i = 1; i < num_threads; i++) {
         if (pthread_create(&threads[i], 0, run_share, &jobs[i]) != 0) break;

@@ -1,10 +1,11 @@
-"""Test harness: the kmock Kubernetes emulator on 127.0.0.1, the operator in kopf's KopfRunner, and small
-aiohttp servers on 127.0.0.x that play the daemons' /metrics."""
+"""Test harness: a stricter kmock Kubernetes emulator (emulator.py) on 127.0.0.1, the operator in kopf's
+KopfRunner, and small aiohttp servers on 127.0.0.x that play the daemons' /metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,24 +17,36 @@ import kmock
 import yaml
 from kopf.testing import KopfRunner
 
+from kvpilot.operator import crd
+
+from .calls import ApiCall
+from .emulator import StrictEmulator
+
 CR_PATH = "/apis/kvpilot.io/v1alpha1/namespaces/{ns}/inferencedeployments"
+CR_KEY = "kvpilot.io/v1alpha1/inferencedeployments"
+ALL_VERBS = ["list", "watch", "get", "patch", "update", "create", "delete"]
 RESOURCES = {
-    "kvpilot.io/v1alpha1/inferencedeployments": dict(
-        kind="InferenceDeployment", singular="inferencedeployment", namespaced=True, shortnames=["infd"],
-        verbs=["list", "watch", "get", "patch", "create", "delete"], subresources=["status", "scale"]),
-    "apps/v1/deployments": dict(kind="Deployment", singular="deployment", namespaced=True,
-                                verbs=["list", "watch", "get", "patch", "create", "delete"]),
-    "v1/services": dict(kind="Service", singular="service", namespaced=True,
-                        verbs=["list", "watch", "get", "patch", "create", "delete"]),
+    CR_KEY: dict(kind="InferenceDeployment", singular="inferencedeployment", namespaced=True, shortnames=["infd"],
+                 verbs=ALL_VERBS, subresources=["status", "scale"]),
+    # A real Deployment has a status subresource too; it is left out (so the main resource still takes
+    # status) until tests play the controller through Cluster.set_deployment_status (README.md).
+    "apps/v1/deployments": dict(kind="Deployment", singular="deployment", namespaced=True, verbs=ALL_VERBS,
+                                subresources=["scale"]),
+    "v1/services": dict(kind="Service", singular="service", namespaced=True, verbs=ALL_VERBS,
+                        subresources=["status"]),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", singular="poddisruptionbudget",
-                                           namespaced=True, verbs=["get", "patch", "create", "delete"]),
-    "v1/pods": dict(kind="Pod", singular="pod", namespaced=True, verbs=["list", "get", "watch"]),
+                                           namespaced=True, verbs=ALL_VERBS, subresources=["status"]),
+    "v1/pods": dict(kind="Pod", singular="pod", namespaced=True, verbs=ALL_VERBS, subresources=["status"]),
     # kopf waits for these to be discoverable (its "backbone"), even cluster-wide.
-    "v1/namespaces": dict(kind="Namespace", singular="namespace", namespaced=False, verbs=["get"]),
+    "v1/namespaces": dict(kind="Namespace", singular="namespace", namespaced=False, verbs=["get", "list", "watch"]),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
         kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
-        verbs=["list", "watch"]),
-    "v1/events": dict(kind="Event", singular="event", namespaced=True, verbs=["create", "list"]),
+        verbs=["list", "watch", "get"]),
+    "v1/events": dict(kind="Event", singular="event", namespaced=True, verbs=["create", "list", "get"]),
+    # kopf's peering objects, from charts/kvpilot/crds/kopf-peering.yaml.
+    "kopf.dev/v1/clusterkopfpeerings": dict(kind="ClusterKopfPeering", singular="clusterkopfpeering",
+                                            namespaced=False, verbs=ALL_VERBS),
+    "kopf.dev/v1/kopfpeerings": dict(kind="KopfPeering", singular="kopfpeering", namespaced=True, verbs=ALL_VERBS),
 }
 
 
@@ -46,16 +59,41 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Cluster:
     """HTTP access to the emulator, as a user or a controller would do it."""
 
-    def __init__(self, emulator: kmock.KubernetesEmulator, url: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, emulator: StrictEmulator, url: str, session: aiohttp.ClientSession) -> None:
         self.emulator = emulator
         self.url = url.rstrip("/")
         self.session = session
 
-    async def call(self, method: str, path: str, body: Any = None) -> Any:
-        async with self.session.request(method, self.url + path, json=body) as resp:
+    @property
+    def calls(self) -> list[ApiCall]:
+        """Every API call made so far, by anyone, as the authorizer sees it."""
+        return self.emulator.calls
+
+    async def call(self, method: str, path: str, body: Any = None, content_type: str | None = None) -> Any:
+        status, result = await self.try_call(method, path, body, content_type)
+        assert status < 400, f"{method} {path}: {status} {str(result)[:300]}"
+        return result
+
+    async def try_call(self, method: str, path: str, body: Any = None,
+                       content_type: str | None = None) -> tuple[int, Any]:
+        """(HTTP status, decoded body), without failing on errors."""
+        headers = {"Content-Type": content_type} if content_type else None
+        data = json.dumps(body) if body is not None else None
+        if data is not None and headers is None:
+            headers = {"Content-Type": "application/merge-patch+json" if method == "PATCH" else "application/json"}
+        async with self.session.request(method, self.url + path, data=data, headers=headers) as resp:
             text = await resp.text()
-            assert resp.status < 400, f"{method} {path}: {resp.status} {text[:300]}"
-            return await resp.json() if text else None
+            return resp.status, (json.loads(text) if text else None)
+
+    async def set_status(self, path: str, status: dict[str, Any]) -> dict[str, Any]:
+        """Write an object's status through its status subresource (the main resource ignores status)."""
+        return await self.call("PATCH", f"{path}/status", {"status": status})
+
+    async def set_deployment_status(self, ns: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        return await self.set_status(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}", status)
+
+    async def delete_cr(self, ns: str, name: str) -> Any:
+        return await self.call("DELETE", f"{CR_PATH.format(ns=ns)}/{name}")
 
     async def get(self, path: str) -> dict[str, Any] | None:
         async with self.session.get(self.url + path) as resp:
@@ -77,16 +115,17 @@ class Cluster:
         return await self.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}")
 
     async def add_pod(self, ns: str, name: str, owner: str, ip: str, port: int, ready: bool) -> None:
+        # Like a kubelet: the create sets no status, the status subresource does.
         await self.call("POST", f"/api/v1/namespaces/{ns}/pods", {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": ns,
                          "labels": {"app.kubernetes.io/name": "kvpilot-daemon", "kvpilot.io/inferencedeployment": owner},
                          "annotations": {"kvpilot.io/metrics-port": str(port)}},
-            "status": pod_status(ip, ready),
         })
+        await self.set_pod_ready(ns, name, ip, ready)
 
     async def set_pod_ready(self, ns: str, name: str, ip: str, ready: bool) -> None:
-        await self.call("PATCH", f"/api/v1/namespaces/{ns}/pods/{name}", {"status": pod_status(ip, ready)})
+        await self.set_status(f"/api/v1/namespaces/{ns}/pods/{name}", pod_status(ip, ready))
 
 
 def pod_status(ip: str, ready: bool) -> dict[str, Any]:
@@ -108,10 +147,10 @@ async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0,
 
 
 @contextlib.asynccontextmanager
-async def cluster(tmp_path: Any) -> AsyncIterator[Cluster]:
-    emulator = kmock.KubernetesEmulator()
-    for key, info in RESOURCES.items():
-        emulator.resources[key] = info
+async def cluster(tmp_path: Any, validate: bool = False) -> AsyncIterator[Cluster]:
+    """A stricter kmock (see emulator.py); validate=True also rejects CRs that fail the CRD's schema or CEL
+    rules with 422, as a real server does."""
+    emulator = StrictEmulator(catalog=RESOURCES, schemas={CR_KEY: crd.version_schema()}, validate=validate)
     async with emulator, kmock.Server(emulator) as server, aiohttp.ClientSession() as session:
         yield Cluster(emulator, str(server.url), session)
 
@@ -129,13 +168,18 @@ def write_kubeconfig(path: Any, url: str) -> str:
 
 
 @contextlib.contextmanager
-def operator(monkeypatch: Any, tmp_path: Any, url: str, metrics_port: int = 0):
-    """The real operator (kvpilot.operator.handlers) in kopf's runner thread, cluster-wide and standalone."""
+def operator(monkeypatch: Any, tmp_path: Any, url: str, metrics_port: int = 0,
+             namespaces: list[str] | None = None, peering: str | None = None):
+    """The real operator (kvpilot.operator.handlers) in kopf's runner thread: cluster-wide unless namespaces
+    are given, standalone unless a peering name is given (as the chart runs it)."""
     monkeypatch.setenv("KUBECONFIG", write_kubeconfig(tmp_path, url))
     monkeypatch.setenv("KVPILOT_OPERATOR_METRICS_PORT", str(metrics_port))
     monkeypatch.setenv("KVPILOT_OPERATOR_METRICS_HOST", "127.0.0.1")
     monkeypatch.setenv("KVPILOT_SCRAPE_TIMEOUT", "0.5")
-    args = ["run", "-A", "--standalone", "-m", "kvpilot.operator.handlers"]
+    monkeypatch.setenv("KVPILOT_OPERATOR_NAMESPACES", ",".join(namespaces or ()))
+    scope = [f"--namespace={ns}" for ns in namespaces] if namespaces else ["-A"]
+    mode = [f"--peering={peering}"] if peering else ["--standalone"]
+    args = ["run", *scope, *mode, "-m", "kvpilot.operator.handlers"]
     with KopfRunner(args, timeout=30) as runner:
         yield runner
 
@@ -153,7 +197,7 @@ class MetricsServer:
         self.hits = 0
         self._runner: aiohttp.web.AppRunner | None = None
 
-    async def _metrics(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+    async def _metrics(self, _request: aiohttp.web.Request) -> aiohttp.web.Response:
         self.hits += 1
         if self.fail:
             return aiohttp.web.Response(status=500, text="engine dead")

@@ -9,8 +9,7 @@ import time
 
 import aiohttp
 import pytest
-
-from kvpilot.daemon.testing import DaemonProcess
+from support.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow
 

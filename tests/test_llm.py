@@ -1,13 +1,10 @@
-"""Engine behaviour on the real model: sampling, sharing, prefix caching, bad input, abort, priority."""
+"""The offline LLM API on the real model: generate, sampling, stops, bad input, chat, beam search."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.engine import LLM, BeamSearchParams, EngineConfig, SamplingParams
-from kvpilot.daemon.engine.llm_engine import LLMEngine
-
-BS = 16
+from kvpilot.daemon.engine import LLM, BeamSearchParams, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -54,56 +51,6 @@ def test_seed_reproducible_alone_and_in_batch_of_16(llm):
     assert llm.generate([prompt], different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
-def test_n4_shares_prompt_blocks(llm):
-    engine: LLMEngine = llm.engine
-    prompt_ids = list(range(1000, 1000 + 3 * BS + 5))  # 3 full blocks + a partial one
-    engine.add_request("share", prompt_ids, SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8,
-                                                           ignore_eos=True))
-    engine.step()  # prefill + first token of 4 forked sequences
-    seqs = [f"share#{i}" for i in range(1, 4)] + ["share"]
-    tables = [engine.kv.block_ids(s) for s in seqs]
-    assert all(t[:3] == tables[0][:3] for t in tables), "the prompt's full blocks are shared"
-    # 4 sequences, but only the 4 prompt blocks are held so far (copy-on-write has not happened yet).
-    assert engine.kv.stats().num_used_blocks == 4
-    engine.step()  # each sequence writes its own token: the shared partial block is copied 3 times
-    assert engine.kv.stats().num_used_blocks == 3 + 4
-    outputs = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outputs = out
-    assert outputs is not None and outputs.finished and len(outputs.outputs) == 4
-    assert len({tuple(o.token_ids) for o in outputs.outputs}) > 1, "4 samples should not all be identical"
-    assert _all_free(llm)
-
-
-def test_repeated_prompt_hits_prefix_cache(llm):
-    engine = llm.engine
-    engine.reset_prefix_cache()
-    prompt_ids = list(range(2000, 2000 + 5 * BS + 3))
-    params = SamplingParams(temperature=0, max_tokens=2)
-    llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)
-    hits_before = engine.get_stats().prefix_cache_hits_total
-    out = llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0]
-    expected = (len(prompt_ids) - 1) // BS
-    assert out.num_cached_tokens == expected * BS
-    assert engine.get_stats().prefix_cache_hits_total - hits_before == expected * BS
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"temperature": -1.0}, "temperature"),
-        ({"n": 0}, "n"),
-        ({"logprobs": 50}, "logprobs"),
-    ],
-)
-def test_bad_sampling_params(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**kwargs)
-
-
 def test_prompt_too_long_is_rejected_and_leaks_nothing(llm):
     too_long = [5] * (llm.engine.max_model_len + 10)
     with pytest.raises(ValueError, match="too long"):
@@ -115,26 +62,6 @@ def test_prompt_too_long_is_rejected_and_leaks_nothing(llm):
         llm.generate({"prompt_token_ids": [-3]}, SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert _all_free(llm)
-
-
-def test_unknown_model_uri():
-    with pytest.raises(ValueError, match="nope://"):
-        LLMEngine(EngineConfig(model="nope://whatever"))
-    with pytest.raises(ValueError, match="scheduling_policy"):
-        EngineConfig(scheduling_policy="random")
-
-
-def test_abort_frees_everything(llm):
-    engine = llm.engine
-    for i in range(4):
-        engine.add_request(f"ab{i}", f"Tell me about topic {i}.", SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.step()
-    engine.step()
-    assert engine.get_stats().num_running == 4
-    engine.abort_request([f"ab{i}" for i in range(4)])
-    assert not engine.has_unfinished_requests()
-    assert engine.step() == []
     assert _all_free(llm)
 
 
@@ -164,18 +91,6 @@ def test_chat_uses_template(llm):
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
-
-
-def test_priority_policy_runs_important_first():
-    llm = LLM(model="builtin://smollm2-135m", scheduling_policy="priority", max_num_seqs=1, num_kv_blocks=64)
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    engine.add_request("low", "a", params, priority=5)
-    engine.add_request("high", "b", params, priority=-1)
-    order = []
-    while engine.has_unfinished_requests():
-        order += [o.request_id for o in engine.step() if o.finished]
-    assert order == ["high", "low"]
 
 
 def test_beam_search_returns_ranked_beams(llm):

@@ -5,6 +5,7 @@ The daemon binds port 0 and logs the port it got, so there is no free-port race.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,8 +25,9 @@ class DaemonProcess:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="kvpilot-daemon-", suffix=".log", delete=False)
-        self.log_path = Path(self._log.name)
+        fd, name = tempfile.mkstemp(prefix="kvpilot-daemon-", suffix=".log")
+        os.close(fd)  # the child writes the log; this side only reads it back
+        self.log_path = Path(name)
 
     @property
     def base_url(self) -> str:
@@ -37,8 +39,9 @@ class DaemonProcess:
     def start(self, timeout: float = 180.0, wait_ready: bool = True) -> DaemonProcess:
         cmd = [sys.executable, "-m", "kvpilot.daemon.cli", "serve", *self.serve_args, "--host", self.host,
                "--port", "0"]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL)
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while self.port is None:
             self._check_alive()
@@ -73,10 +76,8 @@ class DaemonProcess:
         recs = []
         for line in self.logs().splitlines():
             if line.startswith("{"):
-                try:
+                with contextlib.suppress(ValueError):
                     recs.append(json.loads(line))
-                except ValueError:
-                    pass
         return recs
 
     def get(self, path: str, headers: dict[str, str] | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
@@ -108,7 +109,6 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        self._log.close()
         return self.proc.returncode
 
     def __enter__(self) -> DaemonProcess:

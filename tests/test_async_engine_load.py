@@ -9,8 +9,7 @@ import time
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from kvpilot.daemon.testing import DaemonProcess
+from support.daemon_process import DaemonProcess
 
 MAX_SEQS = 16
 MAX_QUEUED = 40

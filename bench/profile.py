@@ -1,0 +1,269 @@
+"""Where a step's time goes: per-component breakdown of kvpilot's CPU forward pass.
+
+Times the real engine code, not a copy: the model module's ``F.linear``/``_rms_norm``/kernel calls
+are wrapped with wall-clock timers (each component is a synchronous CPU op), the GEMMs are told
+apart by their weight tensor. Shapes: decode batches of 8, 32, 96 and 256 sequences (every
+sequence with ``--context`` tokens in the cache) and prefill chunks of 512 and 2048 tokens (one
+sequence from position 0, and 2048 as 8 prompts of 256, the engine's usual mix). The KV cache holds
+zeros: attention cost does not depend on the values. Sampler (greedy) and scheduler + KV
+bookkeeping are timed separately at the same batch size.
+
+"rope/silu/residual/misc" is the model forward minus its timed parts: RoPE, SiLU*up, the residual
+adds, the embedding lookup and view/reshape glue. "runner python" is ``execute`` minus the model and
+batch building. GFLOP/s counts 2*m*n*k per GEMM.
+
+Usage: python bench/profile.py [--repeat 3] [--context 192] [--quick]
+Writes bench/results/profile.json and bench/results/profile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpilot import kernels
+from kvpilot.daemon.engine import LLM
+from kvpilot.daemon.engine.models import llama
+from kvpilot.daemon.engine.runner import SeqBatchEntry, cpu_threads
+from kvpilot.daemon.engine.sampler import SamplingState
+from kvpilot.daemon.engine.sampling_params import SamplingParams
+from kvpilot.kernels import cpu_native, reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import MODEL, bench_bookkeeping, cpu_name  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CATEGORIES = [
+    "gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head", "prefill_attention", "decode_attention",
+    "kv_store", "attention_other", "norms", "rope/silu/residual/misc", "batch_building", "runner_python",
+    "sampler", "scheduler+kv_bookkeeping",
+]
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.flops: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            key = name(*args, **kwargs) if callable(name) else name
+            self.seconds[key] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+class _Proxy:
+    """Stands in for a module inside llama.py: a few attributes replaced, the rest delegated."""
+
+    def __init__(self, base: Any, **overrides: Any) -> None:
+        self._base = base
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+
+def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
+    """Install the timers; returns the function that removes them."""
+    runner = llm.engine.runner
+    model = runner.model
+    kinds: dict[int, str] = {id(model.lm_head): "lm_head"}
+    for layer in model.layers:
+        kinds[id(layer.qkv_weight)] = "gemm_qkv"
+        kinds[id(layer.o_weight)] = "gemm_o"
+        kinds[id(layer.gate_up_weight)] = "gemm_gate_up"
+        kinds[id(layer.down_weight)] = "gemm_down"
+    # the model may hold prepacked copies: let it name them too
+    kinds.update({id(w): k for w, k in getattr(model, "profile_weight_kinds", dict)().items()})
+
+    plain_linear = torch.nn.functional.linear
+
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        kind = kinds.get(id(w), "other_linear")
+        t0 = time.perf_counter()
+        out = plain_linear(x, w, b)
+        timers.seconds[kind] += time.perf_counter() - t0
+        timers.flops[kind] += 2.0 * x.numel() * w.shape[0]
+        return out
+
+    saved = (llama.F, llama._rms_norm, llama.kernels, cpu_native.paged_decode, reference.attend_prefill_chunks,
+             runner._prepare, runner.model.forward)
+    llama.F = _Proxy(torch.nn.functional, linear=linear)
+    llama._rms_norm = timers.wrap("norms", llama._rms_norm)
+    attn = timers.wrap("attention_call", kernels.paged_attention)
+    llama.kernels = _Proxy(kernels, paged_attention=attn, store_kv=timers.wrap("kv_store", kernels.store_kv))
+    cpu_native.paged_decode = timers.wrap("decode_attention", cpu_native.paged_decode)
+    reference.attend_prefill_chunks = timers.wrap("prefill_attention", reference.attend_prefill_chunks)
+    runner._prepare = timers.wrap("batch_building", runner._prepare)
+    runner.model.forward = timers.wrap("model_forward", runner.model.forward)
+
+    def restore() -> None:
+        (llama.F, llama._rms_norm, llama.kernels, cpu_native.paged_decode, reference.attend_prefill_chunks,
+         runner._prepare, runner.model.forward) = saved
+        del runner.model.forward, runner._prepare  # drop the instance attributes: class methods again
+
+    return restore
+
+
+def decode_entries(batch: int, context: int, block_size: int) -> list[SeqBatchEntry]:
+    per_seq = -(-(context + 1) // block_size)
+    return [
+        SeqBatchEntry(token_ids=[100 + i], start_pos=context, block_table=list(range(i * per_seq, (i + 1) * per_seq)),
+                      compute_logits=True)
+        for i in range(batch)
+    ]
+
+
+def prefill_entries(num_seqs: int, length: int, block_size: int) -> list[SeqBatchEntry]:
+    per_seq = -(-length // block_size)
+    return [
+        SeqBatchEntry(token_ids=[(100 + 7 * j + i) % 40000 for j in range(length)], start_pos=0,
+                      block_table=list(range(i * per_seq, (i + 1) * per_seq)), compute_logits=True)
+        for i in range(num_seqs)
+    ]
+
+
+def profile_shape(llm: LLM, entries: list[SeqBatchEntry], repeat: int, sched_ms: float) -> dict[str, Any]:
+    runner = llm.engine.runner
+    sampler = llm.engine.sampler
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    runs: list[dict[str, float]] = []
+    flops: dict[str, float] = {}
+    for it in range(repeat + 1):  # the first run warms allocator and caches
+        timers = Timers()
+        restore = instrument(llm, timers)
+        try:
+            t0 = time.perf_counter()
+            logits = runner.execute(entries)
+            t_exec = time.perf_counter() - t0
+        finally:
+            restore()
+        states = [SamplingState(params, e.token_ids, []) for e, _ in zip(entries, range(logits.shape[0]), strict=False)]
+        t0 = time.perf_counter()
+        sampler(logits, states)
+        t_sample = time.perf_counter() - t0
+        if it == 0:
+            continue
+        s = dict(timers.seconds)
+        fwd = s.pop("model_forward")
+        call = s.pop("attention_call", 0.0)
+        inner = s.get("decode_attention", 0.0) + s.get("prefill_attention", 0.0)
+        s["attention_other"] = max(0.0, call - inner)
+        in_model = sum(v for k, v in s.items() if k not in ("lm_head", "batch_building"))
+        s["rope/silu/residual/misc"] = max(0.0, fwd - in_model)
+        s["runner_python"] = max(0.0, t_exec - fwd - s.get("lm_head", 0.0) - s.get("batch_building", 0.0))
+        s["sampler"] = t_sample
+        s["scheduler+kv_bookkeeping"] = sched_ms / 1000
+        runs.append(s)
+        flops = dict(timers.flops)
+    med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in CATEGORIES}
+    total = sum(med.values())
+    tokens = sum(len(e.token_ids) for e in entries)
+    gemm_s = sum(med[k] for k in ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head"))
+    gemm_flops = sum(flops.get(k, 0.0) for k in ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head"))
+    return {
+        "tokens": tokens,
+        "step_ms": 1000 * total,
+        "ms": {k: 1000 * v for k, v in med.items()},
+        "pct": {k: 100 * v / total for k, v in med.items()},
+        "gemm_gflops": {k: flops[k] / med[k] / 1e9 for k in flops if med.get(k)},
+        "gemm_gflops_all": gemm_flops / gemm_s / 1e9 if gemm_s else 0.0,
+        "tokens_per_s": tokens / total,
+    }
+
+
+def matmul_peak(threads: int) -> dict[str, float]:
+    """The fp32 GEMM rate this box reaches on a large square matmul (the ceiling for the model's GEMMs)."""
+    a = torch.randn(2048, 2048)
+    b = torch.randn(2048, 2048)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    rate = 2 * 2048**3 / best / 1e9
+    return {"threads": threads, "gflops": rate, "gflops_per_core": rate / threads}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    shapes = result["shapes"]
+    names = list(shapes)
+    lines = [
+        f"# kvpilot step profile ({result['machine']['cpu']}, {result['machine']['threads']} threads, fp32, "
+        f"{result['model']})",
+        "",
+        f"Context {result['context']} tokens per decode sequence; median of {result['repeat']} runs. "
+        f"fp32 matmul peak measured here: {result['matmul_peak']['gflops']:.0f} GFLOP/s "
+        f"({result['matmul_peak']['gflops_per_core']:.0f} per core).",
+        "",
+        "Share of step time, % (ms in the last rows):",
+        "",
+        "| component | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for k in CATEGORIES:
+        lines.append(f"| {k} | " + " | ".join(f"{shapes[n]['pct'][k]:.1f}" for n in names) + " |")
+    lines.append("| **step ms** | " + " | ".join(f"{shapes[n]['step_ms']:.1f}" for n in names) + " |")
+    lines.append("| tokens/s | " + " | ".join(f"{shapes[n]['tokens_per_s']:.0f}" for n in names) + " |")
+    lines.append("| GEMM GFLOP/s | " + " | ".join(f"{shapes[n]['gemm_gflops_all']:.0f}" for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--context", type=int, default=192)
+    ap.add_argument("--quick", action="store_true", help="one run, batches 8 and 32 and a 512 chunk only")
+    ap.add_argument("--out", default="profile", help="basename of the JSON/markdown files in bench/results")
+    args = ap.parse_args()
+    torch.set_num_threads(cpu_threads())
+    threads = torch.get_num_threads()
+    decode_sizes = [8, 32] if args.quick else [8, 32, 96, 256]
+    repeat = 1 if args.quick else args.repeat
+    bs = 16
+    blocks = max(256 * -(-(args.context + 1) // bs), 2 * 2048 // bs) + 8
+    llm = LLM(model=MODEL, dtype="float32", num_kv_blocks=blocks, max_num_seqs=256, max_num_batched_tokens=2048,
+              enable_prefix_caching=False)
+    shapes: dict[str, Any] = {}
+    for b in decode_sizes:
+        sched_ms = bench_bookkeeping(num_running=b, steps=50)["mean_ms"]
+        shapes[f"decode {b}"] = profile_shape(llm, decode_entries(b, args.context, bs), repeat, sched_ms)
+        print(f"decode {b}:", json.dumps(shapes[f"decode {b}"]["ms"]), flush=True)
+    chunks = [("prefill 512", 1, 512)] if args.quick else [
+        ("prefill 512", 1, 512), ("prefill 2048", 1, 2048), ("prefill 8x256", 8, 256)]
+    for name, n, length in chunks:
+        shapes[name] = profile_shape(llm, prefill_entries(n, length, bs), repeat, bench_bookkeeping(
+            num_running=n, steps=20)["mean_ms"])
+        print(f"{name}:", json.dumps(shapes[name]["ms"]), flush=True)
+    result = {
+        "machine": {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__,
+                    "cpu_attention": "native C" if cpu_native.available() else "torch reference"},
+        "model": MODEL,
+        "context": args.context,
+        "repeat": repeat,
+        "matmul_peak": matmul_peak(threads),
+        "shapes": shapes,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    (RESULTS / f"{args.out}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Domain errors -> OpenAI-style HTTP errors. The one place that decides status codes for them."""
+
+from __future__ import annotations
+
+from aiohttp.http_exceptions import HttpProcessingError
+
+from .engine.input_processor import InputError
+from .errors import EngineDead, EngineNotReady, EngineQueueFull, EngineRejected
+from .protocol import APIError
+
+
+def to_api_error(exc: BaseException) -> APIError | None:
+    """The HTTP answer for a domain error; None for anything else (a bug: the caller answers 500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, HttpProcessingError):  # a body aiohttp could not decode (bad gzip, bad chunking)
+        return APIError(f"the request body could not be decoded: {exc.message or type(exc).__name__}",
+                        code="invalid_body")
+    if isinstance(exc, InputError):
+        return APIError(str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, EngineQueueFull):
+        return APIError(str(exc), status=429, error_type="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineNotReady):
+        return APIError(str(exc), status=503, error_type="service_unavailable_error", code="model_loading",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, EngineDead):
+        return APIError(str(exc), status=503, error_type="service_unavailable_error", code="engine_dead")
+    if isinstance(exc, EngineRejected):
+        return APIError(str(exc), status=500, error_type="internal_error", code="engine_error")
+    return None

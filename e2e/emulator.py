@@ -1,0 +1,140 @@
+"""The kmock Kubernetes emulator on 127.0.0.1, with the pod semantics of a real API server that the node
+agent relies on:
+
+- POST pods/NAME/binding sets spec.nodeName and the PodScheduled condition (409 if already bound);
+- DELETE of a pod bound to a node only marks it (deletionTimestamp, deletionGracePeriodSeconds) and holds
+  it with a finalizer of the emulator's own (HOLD); the kubelet's DELETE with gracePeriodSeconds 0 then
+  removes it.
+
+kmock itself serves neither (a POST to a named object is no action it knows, and a DELETE without
+finalizers removes the object at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import aiohttp.web
+import attrs
+import kmock
+
+from .cluster import RESOURCES, Kube
+
+HOLD = "e2e.kvpilot.io/graceful-deletion"
+
+
+@attrs.frozen
+class Conflict(kmock.KubernetesError):
+    status: int = 409
+    reason: str = "Conflict"
+
+
+def _grace(request: Any, obj: dict[str, Any]) -> int:
+    """The grace period a DELETE asks for: DeleteOptions body, then the query, then the pod's own."""
+    body = request.data if isinstance(request.data, dict) else {}
+    if body.get("gracePeriodSeconds") is not None:
+        return int(body["gracePeriodSeconds"])
+    if request.params.get("gracePeriodSeconds") is not None:
+        return int(request.params["gracePeriodSeconds"])
+    return int((obj.get("spec") or {}).get("terminationGracePeriodSeconds", 30))
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator with binding, graceful pod deletion and a request log of only the requests in flight.
+
+    kmock records every request and, to route a new one, scans that whole log, so a run of a few minutes
+    (thousands of requests) slows down quadratically. The runs never assert on past requests, so the log
+    keeps just the ones in flight, which the routing of each request needs to find itself.
+    """
+
+    async def _handle(self, request: Any) -> Any:
+        log = getattr(self, "_requests", None)
+        if not isinstance(log, list):  # another kmock version: leave it alone
+            return await self._pods_or_default(request)
+        inflight: list[Any] = self.__dict__.setdefault("_e2e_inflight", [])
+        inflight.append(request)
+        log[:] = inflight
+        try:
+            return await self._pods_or_default(request)
+        finally:
+            inflight.remove(request)
+
+    async def _pods_or_default(self, request: Any) -> Any:
+        res = request.resource
+        if res is not None and res.plural == "pods" and request.name:
+            if request.method == kmock.method.POST and request.subresource == "binding":
+                return await self._bind(request)
+            if request.action == kmock.action.DELETE and not request.subresource:
+                marked = await self._mark_deleted(request)
+                if marked is not None:
+                    return aiohttp.web.json_response(marked)
+        return await super()._handle(request)
+
+    def _stored(self, request: Any) -> Any:
+        key = (request.resource, request.namespace, request.name)
+        if key not in self._objects or self._objects[key].deleted:
+            raise kmock.KubernetesObjectNotFoundError()
+        return self._objects[key]
+
+    async def _bind(self, request: Any) -> Any:
+        target = ((request.data or {}).get("target") or {}).get("name")
+        async with self._lock:
+            obj = self._stored(request)
+            node = (obj.raw.get("spec") or {}).get("nodeName")
+            if node:
+                raise Conflict(message=f"pod {request.name} is already assigned to node {node!r}")
+            conditions = [c for c in (obj.raw.get("status") or {}).get("conditions") or []
+                          if c.get("type") != "PodScheduled"]
+            obj.patch({"spec": {"nodeName": target},
+                       "status": {"conditions": [*conditions, {"type": "PodScheduled", "status": "True"}]}})
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
+        return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Success", "code": 201},
+                                         status=201)
+
+    async def _mark_deleted(self, request: Any) -> dict[str, Any] | None:
+        """Graceful deletion of a bound pod; None lets kmock delete it (unbound, or never marked).
+
+        kmock removes an object with a deletionTimestamp at its next change unless a finalizer holds it;
+        HOLD is that finalizer, the emulator's stand-in for the API server's wait for the kubelet."""
+        async with self._lock:
+            obj = self._stored(request)
+            raw = obj.raw
+            meta = raw.get("metadata") or {}
+            uid = ((request.data or {}).get("preconditions") or {}).get("uid") if isinstance(request.data, dict) \
+                else None
+            if uid is not None and uid != meta.get("uid"):
+                raise Conflict(message=f"precondition failed: uid {uid}")
+            grace = _grace(request, raw)
+            finalizers = list(meta.get("finalizers") or [])
+            if grace <= 0 and HOLD in finalizers:  # the kubelet's final delete
+                rest = [f for f in finalizers if f != HOLD]
+                obj.patch({"metadata": {"finalizers": rest}})
+                if rest:
+                    return obj.raw
+                last = obj.raw
+                obj.delete()
+                await self._buses[request.resource].put({"type": "DELETED", "object": last})
+                return last
+            if not (raw.get("spec") or {}).get("nodeName") or grace <= 0:
+                return None
+            if meta.get("deletionTimestamp"):
+                return raw  # already terminating: a shorter grace is not honoured here
+            at = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=grace)
+            obj.patch({"metadata": {"deletionTimestamp": at.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                    "deletionGracePeriodSeconds": grace, "finalizers": [*finalizers, HOLD]}})
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
+            return obj.raw
+
+
+@contextlib.asynccontextmanager
+async def emulator() -> AsyncIterator[Kube]:
+    """The emulator on a free port of 127.0.0.1, with our resources declared."""
+    emu = Emulator()
+    for key, info in RESOURCES.items():
+        emu.resources[key] = info
+    async with emu, kmock.Server(emu) as server, aiohttp.ClientSession() as session:
+        yield Kube(str(server.url), session, emulated=True)

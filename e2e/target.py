@@ -1,0 +1,123 @@
+"""Where a run happens: the kmock emulator (CI, the default) or an existing cluster (`E2E_KUBECONFIG`).
+
+On a cluster the run needs an API server and a controller-manager, nothing else: the node agent is the
+only node. It installs the CRD when the cluster lacks it, works in a namespace of its own, and removes
+what it created (the namespace, its Node, the CRD only if it installed it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from . import kubeconfig
+from .agent import NODE_NAME
+from .cluster import (
+    CRD_NAME,
+    CRDS,
+    NAMESPACES,
+    NODES,
+    ApiError,
+    Kube,
+    condition,
+    crd_manifest,
+    write_kubeconfig,
+)
+from .emulator import emulator
+from .node import NodeSpec
+
+ENV = "E2E_KUBECONFIG"
+
+
+class ClusterError(RuntimeError):
+    """The cluster named by E2E_KUBECONFIG cannot run the e2e; the message says why and what to do."""
+
+
+@dataclass
+class Target:
+    kube: Kube
+    kubeconfig: Path  # for the operator subprocess
+    real: bool
+    namespace: str
+    node: NodeSpec
+    installed_crd: bool = False
+
+
+@contextlib.asynccontextmanager
+async def open_target(workdir: Path, namespace: str, capacity: dict[str, str]) -> AsyncIterator[Target]:
+    path = os.environ.get(ENV)
+    if path:
+        async with cluster(Path(path), namespace, capacity) as t:
+            yield t
+        return
+    async with emulator() as kube:
+        await kube.apply_crd()
+        yield Target(kube, write_kubeconfig(workdir / "kubeconfig", kube.url), False, namespace,
+                     NodeSpec(NODE_NAME, capacity))
+
+
+async def preflight(kube: Kube, path: Path) -> dict:
+    """GET /version: a clear failure when nothing answers or the credentials are refused."""
+    hint = f"Start the cluster (kind create cluster, k3s) or unset {ENV} to run on the kmock emulator."
+    try:
+        return await kube.request("GET", "/version")
+    except ApiError as e:
+        raise ClusterError(f"{ENV}={path}: the API server at {kube.url} refused the request: {e}") from e
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        raise ClusterError(f"{ENV}={path}: no API server answers at {kube.url} "
+                           f"({type(e).__name__}: {e}). {hint}") from e
+
+
+async def ensure_crd(kube: Kube) -> bool:
+    """Install the CRD unless the cluster has it; True when this run installed it (and so removes it)."""
+    if await kube.get(f"{CRDS}/{CRD_NAME}") is not None:
+        return False
+    await kube.create(CRDS, crd_manifest())
+    for _ in range(120):  # 60 s
+        c = condition(await kube.get(f"{CRDS}/{CRD_NAME}"), "Established")
+        if c and c.get("status") == "True":
+            return True
+        await asyncio.sleep(0.5)
+    raise ClusterError(f"the CRD {CRD_NAME} was created but is not Established after 60 s")
+
+
+@contextlib.asynccontextmanager
+async def cluster(path: Path, namespace: str, capacity: dict[str, str]) -> AsyncIterator[Target]:
+    if not path.is_file():
+        raise ClusterError(f"{ENV}={path}: no such file")
+    try:
+        info = kubeconfig.load(path)
+    except ValueError as e:
+        raise ClusterError(f"{ENV}: {e}") from e
+    kube = Kube(lambda: info, emulated=False)
+    try:
+        await preflight(kube, path)
+        suffix = secrets.token_hex(3)  # a run of its own, beside anything else on the cluster
+        target = Target(kube, path, True, f"{namespace}-{suffix}", NodeSpec(f"kvpilot-e2e-{suffix}", capacity))
+        target.installed_crd = await ensure_crd(kube)
+        try:
+            await kube.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+                "name": target.namespace, "labels": {"app.kubernetes.io/part-of": "kvpilot-e2e"}}})
+            yield target
+        finally:
+            await cleanup(target)
+    finally:
+        await kube.close()
+
+
+async def cleanup(t: Target) -> None:
+    """Best effort, each step on its own: the namespace (and with it every object of the run), the Node
+    (the agent deletes it too), the CRD if this run installed it."""
+    steps = [f"{NAMESPACES}/{t.namespace}", f"{NODES}/{t.node.name}"]
+    if t.installed_crd:
+        steps.append(f"{CRDS}/{CRD_NAME}")
+    for path in steps:
+        with contextlib.suppress(ApiError, aiohttp.ClientError, TimeoutError, OSError):
+            await t.kube.delete(path)

@@ -1,0 +1,68 @@
+"""The router's own Prometheus metrics (kvpilot:router_*), on its own registry."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.decisions = Counter("kvpilot:router_decisions", "Routing decisions by reason "
+                                 "(session, prefix, hash, load, fallback).", ["reason"], registry=r)
+        self.inflight = Gauge("kvpilot:router_endpoint_inflight", "Requests this router has in flight per "
+                              "endpoint.", ["endpoint"], registry=r)
+        self.prompt_tokens = Counter("kvpilot:router_prompt_tokens", "Prompt tokens of routed requests "
+                                     "(as the router tokenized them).", registry=r)
+        self.prefix_hit_tokens = Counter("kvpilot:router_prefix_hit_tokens", "Estimated prompt tokens already "
+                                         "cached on the chosen replica (prefix index, whole blocks).", registry=r)
+        self.held = Gauge("kvpilot:router_held_requests", "Requests held while no replica is ready.", registry=r)
+        self.held_timeouts = Counter("kvpilot:router_held_timeouts", "Held requests answered 503 "
+                                     "(no replica in time, or the hold queue was full).", ["reason"], registry=r)
+        self.retries = Counter("kvpilot:router_retries", "Requests re-sent to another replica, by the cause.",
+                               ["cause"], registry=r)
+        self.stream_errors = Counter("kvpilot:router_stream_errors", "Streams cut by their replica, ended "
+                                     "with an SSE error event.", registry=r)
+        self.responses = Counter("kvpilot:router_responses", "Responses to clients by status code.", ["code"],
+                                 registry=r)
+        self.overhead = Histogram("kvpilot:router_decision_seconds", "Time to tokenize, hash and pick, per "
+                                  "request.", buckets=OVERHEAD_BUCKETS, registry=r)
+        self._decision_children: dict[str, Any] = {}
+        self._inflight_children: dict[str, Any] = {}
+        self.endpoints_fn: Callable[[], int] = lambda: 0
+        Gauge("kvpilot:router_ready_endpoints", "Ready endpoints known to the router.",
+              registry=r).set_function(lambda: self.endpoints_fn())
+
+    def decided(self, reason: str) -> None:
+        child = self._decision_children.get(reason)
+        if child is None:  # labels() takes a lock and builds a tuple: once per reason is enough
+            child = self._decision_children[reason] = self.decisions.labels(reason)
+        child.inc()
+
+    def set_inflight(self, endpoint: str, n: int) -> None:
+        child = self._inflight_children.get(endpoint)
+        if child is None:
+            child = self._inflight_children[endpoint] = self.inflight.labels(endpoint)
+        child.set(n)
+
+    def drop_endpoint(self, endpoint: str) -> None:
+        self._inflight_children.pop(endpoint, None)
+        with contextlib.suppress(KeyError):
+            self.inflight.remove(endpoint)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,145 @@
+"""The router's live state around the pure Picker: endpoints, loads, the prefix index and sessions."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .endpoints import Endpoint, EndpointSet
+from .metrics import RouterMetrics
+from .picker import Decision, EndpointLoad, Picker
+from .prefix_index import PrefixIndex
+from .prompt import PromptHasher
+from .upstream_metrics import LoadScraper
+
+
+@dataclass(frozen=True)
+class RouteKey:
+    """What one request routes by, computed once even when it is retried."""
+
+    hashes: list[bytes] = field(default_factory=list)
+    prompt_tokens: int = 0
+    session: str | None = None
+
+
+class SessionTable:
+    """Bounded LRU: session key -> the endpoint that served it last."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._map: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, key: str | None) -> str | None:
+        if key is None or key not in self._map:
+            return None
+        self._map.move_to_end(key)
+        return self._map[key]
+
+    def put(self, key: str, endpoint: str) -> None:
+        self._map[key] = endpoint
+        self._map.move_to_end(key)
+        while len(self._map) > self.capacity:
+            self._map.popitem(last=False)
+
+    def forget(self, endpoint: str) -> None:
+        for k in [k for k, v in self._map.items() if v == endpoint]:
+            del self._map[k]
+
+
+class RouterState:
+    def __init__(self, endpoints: EndpointSet, picker: Picker, hasher: PromptHasher, metrics: RouterMetrics,
+                 scraper: LoadScraper | None = None, index_blocks: int = 200_000,
+                 session_source: str | None = None, session_capacity: int = 100_000) -> None:
+        self.endpoints = endpoints
+        self.picker = picker
+        self.hasher = hasher
+        self.metrics = metrics
+        self.scraper = scraper
+        self.index = PrefixIndex(index_blocks)
+        self.session_source = session_source  # "user" or "header:<Name>" (None: off)
+        self.sessions = SessionTable(session_capacity)
+        self.inflight: dict[str, int] = {}
+        self.cooldown: dict[str, float] = {}  # endpoint -> monotonic time it may be picked again
+        metrics.endpoints_fn = lambda: len(self.endpoints)
+        endpoints.on_removed.append(self._forget)
+
+    def _forget(self, ep: Endpoint) -> None:
+        self.index.forget(ep.name)
+        self.sessions.forget(ep.name)
+        if ep.name in self.inflight and not self.inflight[ep.name]:  # gone and idle: drop its series
+            del self.inflight[ep.name]
+            self.metrics.drop_endpoint(ep.name)
+
+    # ---- decisions --------------------------------------------------------------------------------
+
+    def route_key(self, path: str, body: dict[str, Any] | None, headers: Mapping[str, str]) -> RouteKey:
+        session = self._session_key(body, headers)
+        if body is None or not (self.picker.config.prefix or self.picker.config.session):
+            return RouteKey(session=session)
+        ids = self.hasher.token_ids(path, body) if self.picker.config.prefix else None
+        if not ids:
+            return RouteKey(session=session)
+        return RouteKey(self.hasher.hashes(ids), len(ids), session)
+
+    def _session_key(self, body: dict[str, Any] | None, headers: Mapping[str, str]) -> str | None:
+        src = self.session_source
+        if not src or not self.picker.config.session:
+            return None
+        if src == "user":
+            user = (body or {}).get("user")
+            return user if isinstance(user, str) and user else None
+        return headers.get(src.removeprefix("header:")) or None
+
+    def loads(self) -> list[EndpointLoad]:
+        now = time.monotonic()
+        out = []
+        for ep in self.endpoints.all():
+            s = self.scraper.fresh(ep.name, now) if self.scraper is not None else None
+            out.append(EndpointLoad(ep.name, self.inflight.get(ep.name, 0), s.running if s else None,
+                                    s.waiting if s else None, s.kv_usage if s else None))
+        return out
+
+    def failed(self, name: str, seconds: float) -> None:
+        """A replica refused (503, draining) or could not be reached: skip it until its slice catches up."""
+        self.cooldown[name] = time.monotonic() + seconds
+
+    def _cooling(self, exclude: set[str]) -> set[str]:
+        if not self.cooldown:
+            return exclude
+        now = time.monotonic()
+        for n in [n for n, t in self.cooldown.items() if t <= now]:
+            del self.cooldown[n]
+        cooling = exclude | self.cooldown.keys()
+        # all cooling: try them anyway rather than refuse (the cooldown is a guess)
+        return cooling if any(ep.name not in cooling for ep in self.endpoints.all()) else exclude
+
+    def choose(self, key: RouteKey, exclude: set[str]) -> tuple[Endpoint, Decision] | None:
+        names = [ep.name for ep in self.endpoints.all()]
+        cached = self.index.match(key.hashes, names) if key.hashes else {}
+        d = self.picker.pick(self.loads(), key.hashes, cached, self.sessions.get(key.session),
+                             self._cooling(exclude))
+        if d is None:
+            return None
+        ep = self.endpoints.get(d.endpoint)
+        assert ep is not None
+        return ep, d
+
+    def dispatched(self, key: RouteKey, ep: Endpoint, d: Decision) -> None:
+        """The request goes to `ep`: count it, and remember its blocks and session there."""
+        m = self.metrics
+        m.decided(d.reason)
+        if key.prompt_tokens:
+            m.prompt_tokens.inc(key.prompt_tokens)
+            m.prefix_hit_tokens.inc(d.hit_blocks * self.hasher.block_size)
+            self.index.record(key.hashes, ep.name)
+        if key.session is not None:
+            self.sessions.put(key.session, ep.name)
+        self.add_inflight(ep.name, 1)
+
+    def add_inflight(self, name: str, delta: int) -> None:
+        n = self.inflight.get(name, 0) + delta
+        self.inflight[name] = n
+        self.metrics.set_inflight(name, n)

@@ -1,0 +1,155 @@
+"""A tiny real aiohttp upstream that speaks the daemon's shapes: for the router's tests and its bench.
+
+It answers /v1/chat/completions and /v1/completions (streamed or not), /v1/models and /metrics, and
+can be told to refuse (503 draining, 429), or to die in the middle of a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+@dataclass
+class ReplicaBehaviour:
+    status: int | None = None  # answer every /v1 POST with this (503, 429) instead of a completion
+    retry_after: str | None = None
+    chunks: int = 3  # streamed content chunks
+    chunk_delay: float = 0.0
+    die_after: int | None = None  # close the connection after this many streamed chunks
+    gate: asyncio.Event | None = None  # the second chunk waits for this (proves unbuffered streaming)
+    kv: float = 0.0
+    waiting: float = 0.0
+    running: float = 0.0
+
+
+@dataclass
+class FakeReplica:
+    host: str = "127.0.0.1"
+    name: str = "replica"
+    behaviour: ReplicaBehaviour = field(default_factory=ReplicaBehaviour)
+    port: int = 0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    cancelled: int = 0  # streams whose client (the router) hung up
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        b = self.behaviour
+        if b.status is not None:
+            headers = {"Retry-After": b.retry_after} if b.retry_after else {}
+            code = "draining" if b.status == 503 else "rate_limited"
+            return web.json_response({"error": {"message": "refused", "type": "x", "param": None, "code": code}},
+                                     status=b.status, headers=headers)
+        chat = request.path.endswith("/chat/completions")
+        if body.get("stream"):
+            return await self._stream(request, chat)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": f"hi from {self.name}"},
+                   "finish_reason": "stop"} if chat else {"index": 0, "text": f"hi from {self.name}",
+                                                          "finish_reason": "stop"})
+        return web.json_response({"id": "x-1", "object": "chat.completion" if chat else "text_completion",
+                                  "created": int(time.time()), "model": "m", "choices": [choice],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    def _chunk(self, chat: bool, text: str, finish: str | None = None) -> dict[str, Any]:
+        choice = ({"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish} if chat
+                  else {"index": 0, "text": text, "finish_reason": finish})
+        return {"id": "x-1", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": "m", "choices": [choice]}
+
+    async def _stream(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        b = self.behaviour
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for i in range(b.chunks):
+            if b.die_after is not None and i >= b.die_after:
+                assert request.transport is not None
+                request.transport.close()  # the replica dies: no [DONE], a cut connection
+                return resp
+            if i == 1 and b.gate is not None:
+                try:
+                    await b.gate.wait()
+                except asyncio.CancelledError:  # as the daemon, the handler is cancelled on a hang-up
+                    self.cancelled += 1
+                    raise
+            if b.chunk_delay:
+                await asyncio.sleep(b.chunk_delay)
+            await resp.write(_sse(self._chunk(chat, f"{self.name}-{i} ")))
+        await resp.write(_sse(self._chunk(chat, "", "stop")) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _metrics(self, request: web.Request) -> web.Response:  # noqa: ARG002 - handler signature
+        b = self.behaviour
+        text = (f'vllm:kv_cache_usage_perc{{model_name="m"}} {b.kv}\n'
+                f'vllm:num_requests_waiting{{model_name="m"}} {b.waiting}\n'
+                f'vllm:num_requests_running{{model_name="m"}} {b.running}\n')
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _models(self, request: web.Request) -> web.Response:  # noqa: ARG002 - handler signature
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
+                                                              "owned_by": self.name}]})
+
+    async def start(self) -> FakeReplica:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+@dataclass
+class RouterServer:
+    """The real router app on loopback, port 0."""
+
+    settings: Any  # RouterSettings
+    tokenizer: Any = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    app: web.Application | None = None
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> RouterServer:
+        from .server import build_app
+
+        self.app = build_app(self.settings, tokenizer=self.tokenizer)
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

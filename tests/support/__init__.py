@@ -1,0 +1,1 @@
+"""Helpers the tests (and bench/serving.py) share; not part of the product."""

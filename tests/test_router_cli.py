@@ -1,0 +1,42 @@
+"""`python -m kvpilot.router` flags and their KVPILOT_ROUTER_* environment defaults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvpilot.router.cli import build_parser, settings_from_args
+
+
+def test_flags_become_settings():
+    ns = build_parser().parse_args(["--endpoints", "127.0.0.1:1", "--no-prefix", "--session", "header:X-Chat",
+                                    "--load-cap", "0.5", "--hold-timeout", "3"])
+    s = settings_from_args(ns)
+    assert not s.picker.prefix and s.picker.session and s.picker.load_cap == 0.5
+    assert s.session_source == "header:X-Chat" and s.proxy.hold_timeout == 3.0
+
+
+def test_environment_sets_defaults_and_flags_win(monkeypatch):
+    monkeypatch.setenv("KVPILOT_ROUTER_SERVICE", "llm")
+    monkeypatch.setenv("KVPILOT_ROUTER_LOAD", "false")
+    monkeypatch.setenv("KVPILOT_ROUTER_BLOCK_SIZE", "32")
+    s = settings_from_args(build_parser().parse_args([]))
+    assert s.service == "llm" and not s.picker.load and s.block_size == 32
+    s = settings_from_args(build_parser().parse_args(["--block-size", "16"]))
+    assert s.block_size == 16
+
+
+@pytest.mark.parametrize("argv", [[], ["--endpoints", "x:1", "--session", "cookie"]])
+def test_bad_arguments_are_refused(argv, monkeypatch):
+    monkeypatch.delenv("KVPILOT_ROUTER_SERVICE", raising=False)
+    monkeypatch.delenv("KVPILOT_ROUTER_ENDPOINTS", raising=False)
+    with pytest.raises(ValueError):
+        settings_from_args(build_parser().parse_args(argv))
+
+
+def test_module_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "kvpilot.router", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "--endpoints" in out.stdout and "--service" in out.stdout

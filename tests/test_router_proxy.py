@@ -1,0 +1,319 @@
+"""The router over real HTTP: tiny aiohttp replicas on 127.0.0.x, the router app, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.router.endpoints import Endpoint
+from kvpilot.router.picker import PickerConfig
+from kvpilot.router.prompt import ByteTokenizer
+from kvpilot.router.proxy import ProxyConfig
+from kvpilot.router.server import ENDPOINTS_KEY, RouterSettings, router_state
+from kvpilot.router.testing import FakeReplica, RouterServer
+
+pytestmark = pytest.mark.timeout(60)
+
+SYSTEM = {"role": "system", "content": "You are the support assistant of a large shop. Be brief. " * 3}
+
+
+def chat(user: str) -> list[dict[str, str]]:
+    return [SYSTEM, {"role": "user", "content": user}]
+
+
+async def replicas(n: int) -> list[FakeReplica]:
+    return [await FakeReplica(host=f"127.0.0.{i + 2}", name=f"r{i}").start() for i in range(n)]
+
+
+async def router(reps: list[FakeReplica], **kw) -> RouterServer:
+    picker = kw.pop("picker", PickerConfig())
+    proxy = kw.pop("proxy", ProxyConfig(connect_timeout=1.0))
+    endpoints = kw.pop("endpoints", ",".join(r.url for r in reps))
+    s = RouterSettings(endpoints=endpoints, picker=picker, proxy=proxy, scrape_interval=0.1, **kw)
+    return await RouterServer(s, tokenizer=ByteTokenizer()).start()
+
+
+@pytest.fixture
+async def three() -> AsyncIterator[list[FakeReplica]]:
+    reps = await replicas(3)
+    yield reps
+    for r in reps:
+        await r.stop()
+
+
+_clients: list[openai.AsyncOpenAI] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while _clients:
+        await _clients.pop().close()
+
+
+def client(rs: RouterServer) -> openai.AsyncOpenAI:
+    c = openai.AsyncOpenAI(base_url=rs.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    _clients.append(c)
+    return c
+
+
+async def metric(rs: RouterServer, name: str, **labels: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(rs.url + "/metrics") as r:
+        text = await r.text()
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()):
+                total += smp.value
+    return total
+
+
+def served(reps: list[FakeReplica]) -> list[int]:
+    return [len(r.requests) for r in reps]
+
+
+async def test_shared_prefix_sticks_and_two_routers_agree(three):
+    r1, r2 = await router(three), await router(three)
+    try:
+        c1, c2 = client(r1), client(r2)
+        first = await c1.chat.completions.with_raw_response.create(model="m", messages=chat("hello"))
+        owner = first.headers["x-kvpilot-endpoint"]
+        assert first.headers["x-kvpilot-route"] == "hash"
+        for i in range(4):
+            c = c1 if i % 2 else c2
+            raw = await c.chat.completions.with_raw_response.create(model="m", messages=chat(f"question {i}"))
+            assert raw.headers["x-kvpilot-endpoint"] == owner
+        assert sorted(served(three)) == [0, 0, 5]
+        assert await metric(r1, "kvpilot:router_decisions_total", reason="prefix") == 2
+        assert await metric(r1, "kvpilot:router_prefix_hit_tokens_total") > 0
+    finally:
+        await r1.stop()
+        await r2.stop()
+
+
+async def test_prefix_off_spreads_by_load(three):
+    rs = await router(three, picker=PickerConfig(prefix=False))
+    try:
+        c = client(rs)
+
+        async def one(i: int) -> None:
+            async with c.chat.completions.stream(model="m", messages=chat(f"q{i}")) as s:
+                await s.until_done()
+
+        for r in three:
+            r.behaviour.chunk_delay = 0.05
+        await asyncio.gather(*(one(i) for i in range(6)))
+        assert served(three) == [2, 2, 2]
+    finally:
+        await rs.stop()
+
+
+async def test_stream_passes_through_unbuffered(three):
+    gate = asyncio.Event()
+    for r in three:
+        r.behaviour.gate = gate
+    rs = await router(three)
+    try:
+        stream = await client(rs).chat.completions.create(model="m", messages=chat("hi"), stream=True)
+        it = stream.__aiter__()
+        first = await asyncio.wait_for(it.__anext__(), 5)  # the replica holds chunk 2 until the gate opens
+        assert first.choices[0].delta.content.endswith("-0 ")
+        gate.set()
+        rest = [c async for c in it]
+        assert [c.choices[0].finish_reason for c in rest][-1] == "stop"
+    finally:
+        await rs.stop()
+
+
+async def test_503_draining_is_retried_once_on_another_replica(three):
+    rs = await router(three)
+    try:
+        c = client(rs)
+        first = await c.chat.completions.with_raw_response.create(model="m", messages=chat("x"))
+        owner = next(r for r in three if r.requests)
+        owner.behaviour.status = 503
+        raw = await c.chat.completions.with_raw_response.create(model="m", messages=chat("y"), stream=False)
+        assert raw.headers["x-kvpilot-endpoint"] != first.headers["x-kvpilot-endpoint"]
+        assert await metric(rs, "kvpilot:router_retries_total", cause="503") == 1
+        for r in three:
+            r.behaviour.status = 503
+        with pytest.raises(openai.APIStatusError) as err:
+            await c.chat.completions.create(model="m", messages=chat("z"))
+        assert err.value.status_code == 503 and err.value.response.headers.get("retry-after")
+        assert sum(served(three)) == 1 + 2 + 2  # ok, 503+ok, 503+503: one retry only
+    finally:
+        await rs.stop()
+
+
+async def test_connect_error_is_retried(three):
+    dead = FakeReplica(host="127.0.0.1", name="dead")  # sorts first: the least-loaded tie goes to it
+    await dead.start()
+    dead_url = dead.url
+    await dead.stop()  # a closed port: connection refused
+    rs = await router(three, endpoints=",".join([dead_url, *(r.url for r in three)]),
+                      picker=PickerConfig(prefix=False))
+    try:
+        c = client(rs)
+        for i in range(8):
+            raw = await c.completions.with_raw_response.create(model="m", prompt=f"{i} distinct prompt " * 3)
+            assert raw.headers["x-kvpilot-endpoint"] != dead_url.removeprefix("http://")
+        # tried once, then cooled down
+        assert await metric(rs, "kvpilot:router_retries_total", cause="connect_error") == 1
+    finally:
+        await rs.stop()
+
+
+async def test_stream_cut_by_replica_ends_with_an_error_event(three):
+    for r in three:
+        r.behaviour.die_after = 1
+    rs = await router(three)
+    try:
+        stream = await client(rs).chat.completions.create(model="m", messages=chat("hi"), stream=True)
+        got = []
+        with pytest.raises(openai.APIError, match="replica"):
+            async for chunk in stream:
+                got.append(chunk)  # noqa: PERF401 - keep what arrived before the error
+        assert len(got) == 1  # the chunk the replica did send arrived; then the error, not silence
+        assert await metric(rs, "kvpilot:router_stream_errors_total") == 1
+        assert sum(served(three)) == 1  # a stream that started is never retried
+    finally:
+        await rs.stop()
+
+
+async def test_429_from_every_replica_is_429_with_retry_after(three):
+    for i, r in enumerate(three):
+        r.behaviour.status, r.behaviour.retry_after = 429, str(3 + i)
+    rs = await router(three)
+    try:
+        with pytest.raises(openai.RateLimitError) as err:
+            await client(rs).chat.completions.create(model="m", messages=chat("hi"))
+        assert err.value.response.headers["retry-after"] == "3"
+        assert served(three) == [1, 1, 1]
+        three[2].behaviour.status = None  # one has room: it serves
+        out = await client(rs).chat.completions.create(model="m", messages=chat("hi"))
+        assert out.choices[0].message.content == "hi from r2"
+    finally:
+        await rs.stop()
+
+
+async def test_no_replica_holds_then_serves_or_times_out(three):
+    rs = await router(three, proxy=ProxyConfig(hold_timeout=1.5, hold_max=2, retry_after=7))
+    try:
+        assert rs.app is not None
+        eps = rs.app[ENDPOINTS_KEY]
+        eps.replace([])
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            await client(rs).chat.completions.create(model="m", messages=chat("hi"))
+        assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "7"
+        assert time.monotonic() - t0 >= 1.4
+        held = [asyncio.create_task(client(rs).chat.completions.create(model="m", messages=chat(f"h{i}")))
+                for i in range(3)]
+        for _ in range(40):  # until all three arrived: two held, the third found the queue full
+            if await metric(rs, "kvpilot:router_held_timeouts_total", reason="full") == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert await metric(rs, "kvpilot:router_held_requests") == 2
+        eps.replace([Endpoint(three[0].url.removeprefix("http://"), three[0].url)])
+        results = await asyncio.gather(*held, return_exceptions=True)
+        assert sum(not isinstance(r, Exception) for r in results) == 2
+        assert await metric(rs, "kvpilot:router_held_requests") == 0
+    finally:
+        await rs.stop()
+
+
+async def test_scraped_load_steers_new_prefixes_away_from_a_full_replica(three):
+    three[0].behaviour.kv = 0.99
+    three[1].behaviour.waiting = 30
+    rs = await router(three)
+    try:
+        assert rs.app is not None
+        scraper = router_state(rs.app).scraper
+        assert scraper is not None
+        for _ in range(50):
+            if len(scraper.samples) == 3:
+                break
+            await asyncio.sleep(0.05)
+        c = client(rs)
+        for i in range(6):
+            await c.completions.create(model="m", prompt=f"prompt number {i} " * 4)
+        assert served(three)[0] == 0 and served(three)[1] == 0 and served(three)[2] == 6
+    finally:
+        await rs.stop()
+
+
+async def test_session_mode_keys_on_user(three):
+    rs = await router(three, picker=PickerConfig(prefix=False, session=True), session_source="user")
+    try:
+        c = client(rs)
+        seen = set()
+        for i in range(4):
+            raw = await c.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": f"turn {i}"}], user="alice")
+            seen.add(raw.headers["x-kvpilot-endpoint"])
+        assert len(seen) == 1
+        assert await metric(rs, "kvpilot:router_decisions_total", reason="session") == 3
+    finally:
+        await rs.stop()
+
+
+async def test_models_and_probes(three):
+    rs = await router(three)
+    try:
+        models = await client(rs).models.list()
+        assert [m.id for m in models.data] == ["m"]
+        async with aiohttp.ClientSession() as s:
+            for path in ("/health", "/ready"):
+                async with s.get(rs.url + path) as r:
+                    assert r.status == 200
+        assert await metric(rs, "kvpilot:router_ready_endpoints") == 3
+    finally:
+        await rs.stop()
+
+
+async def test_client_going_away_closes_the_upstream_stream(three):
+    gate = asyncio.Event()  # never set: the replica would hold the stream open forever
+    for r in three:
+        r.behaviour.gate = gate
+    rs = await router(three)
+    try:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(rs.url + "/v1/chat/completions",
+                                json={"model": "m", "messages": chat("hi"), "stream": True})
+            assert b"-0 " in await resp.content.readany()
+            assert rs.app is not None
+            st = router_state(rs.app)
+            assert sum(st.inflight.values()) == 1
+            resp.close()  # the client hangs up mid-stream
+        for _ in range(100):
+            if sum(st.inflight.values()) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert sum(st.inflight.values()) == 0  # the router let go of the replica too
+        for _ in range(100):
+            if sum(r.cancelled for r in three):
+                break
+            await asyncio.sleep(0.02)
+        assert sum(r.cancelled for r in three) == 1  # and the replica saw the hang-up (it frees the KV there)
+    finally:
+        gate.set()
+        await rs.stop()
+
+
+async def test_a_refusing_replica_cools_down_for_new_requests(three):
+    rs = await router(three, picker=PickerConfig(prefix=False))
+    try:
+        three[0].behaviour.status = 503
+        c = client(rs)
+        for i in range(6):
+            await c.completions.create(model="m", prompt=f"p{i}")
+        assert len(three[0].requests) == 1  # asked once, then skipped while cooling
+        assert await metric(rs, "kvpilot:router_retries_total", cause="503") == 1
+    finally:
+        await rs.stop()
