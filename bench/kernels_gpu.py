@@ -46,7 +46,7 @@ def bench_ms(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100))
 
 
-def make_batch(ctx_lens, q_lens, pool_blocks, dtype, gen, dev, h=H, kvh=KVH, d=D, bs=BS):
+def make_batch(ctx_lens, q_lens, pool_blocks, dtype, gen, dev, h=H, d=D, bs=BS):
     """Random paged batch over a shuffled block pool (the pool is allocated by the caller)."""
     nbl = [math.ceil(c / bs) for c in ctx_lens]
     perm = torch.randperm(pool_blocks, generator=gen, device="cpu")[: sum(nbl)]

@@ -16,6 +16,8 @@ Usage: python bench/profile.py [--repeat 3] [--context 192] [--quick]
 Writes bench/results/profile.json and bench/results/profile.md.
 """
 
+# A profiler: it wraps the model's and the runner's private helpers on purpose.
+# ruff: noqa: SLF001
 from __future__ import annotations
 
 import argparse
@@ -215,8 +217,7 @@ def markdown(result: dict[str, Any]) -> str:
         "| component | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
     ]
-    for k in CATEGORIES:
-        lines.append(f"| {k} | " + " | ".join(f"{shapes[n]['pct'][k]:.1f}" for n in names) + " |")
+    lines.extend(f"| {k} | " + " | ".join(f"{shapes[n]['pct'][k]:.1f}" for n in names) + " |" for k in CATEGORIES)
     lines.append("| **step ms** | " + " | ".join(f"{shapes[n]['step_ms']:.1f}" for n in names) + " |")
     lines.append("| tokens/s | " + " | ".join(f"{shapes[n]['tokens_per_s']:.0f}" for n in names) + " |")
     lines.append("| GEMM GFLOP/s | " + " | ".join(f"{shapes[n]['gemm_gflops_all']:.0f}" for n in names) + " |")

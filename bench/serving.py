@@ -184,7 +184,8 @@ def run_peer(works, rates, seed, model_dir: str, timeout: float, dtype: str, pyt
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log", delete=False)
+    # stays open for the server process to write to; closed when the server is stopped
+    log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log", delete=False)  # noqa: SIM115
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)

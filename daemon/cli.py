@@ -39,6 +39,9 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     gen.add_argument("--kv-cache-memory", type=parse_size, default=None)
     op = sub.add_parser("operator", help="run the Kubernetes operator (arguments go to it)", add_help=False)
     op.add_argument("operator_args", nargs=argparse.REMAINDER)
+    rt = sub.add_parser("router", help="run the prefix- and load-aware router (arguments go to it)",
+                        add_help=False)
+    rt.add_argument("router_args", nargs=argparse.REMAINDER)
     return p, serve
 
 
@@ -79,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvpilot.operator.__main__ import main as operator_main
 
         return operator_main(argv[1:]) or 0
+    if argv[:1] == ["router"]:  # likewise the router's
+        from kvpilot.router.cli import main as router_main
+
+        return router_main(argv[1:]) or 0
     parser, serve_parser = _build_parser()
     ns = parser.parse_args(argv)
     if ns.command is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from .engine.input_processor import InputError
 from .errors import EngineDead, EngineNotReady, EngineQueueFull, EngineRejected
@@ -13,9 +14,9 @@ def to_api_error(exc: BaseException) -> APIError | None:
     """The HTTP answer for a domain error; None for anything else (a bug: the caller answers 500)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, HttpProcessingError):  # a body aiohttp could not decode (bad gzip, bad chunking)
-        return APIError(f"the request body could not be decoded: {exc.message or type(exc).__name__}",
-                        code="invalid_body")
+    if isinstance(exc, RequestPayloadError | HttpProcessingError):  # a body aiohttp could not decode
+        return APIError(f"the request body could not be decoded: {str(exc).strip() or type(exc).__name__}",
+                        code="invalid_body", headers={"Connection": "close"})
     if isinstance(exc, InputError):
         return APIError(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, EngineQueueFull):

@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from .protocol import APIError, parse_json_body
 
@@ -37,9 +38,10 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
     check_json_content_type(request)
     try:
         raw = await request.read()
-    except HttpProcessingError as exc:  # e.g. Content-Encoding: gzip with a body that is not gzip
-        raise APIError(f"the request body could not be decoded: {exc.message or type(exc).__name__}",
-                       code="invalid_body") from None
+    except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. Content-Encoding: gzip, body not gzip
+        # the rest of the body cannot be read either: close the connection after the answer
+        raise APIError(f"the request body could not be decoded: {_reason(exc)}", code="invalid_body",
+                       headers={"Connection": "close"}) from None
     try:
         text = raw.decode("utf-8")  # strict: CESU-8 surrogates (ED A0 80) and stray bytes fail here
     except UnicodeDecodeError as exc:
@@ -51,6 +53,11 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
                        f"without its pair); that is not valid Unicode text", param=where,
                        code="invalid_unicode")
     return body
+
+
+def _reason(exc: Exception) -> str:
+    cause = exc.__cause__ or exc
+    return getattr(cause, "message", None) or str(cause).strip() or type(cause).__name__
 
 
 def find_unpaired_surrogate(value: Any) -> str | None:

@@ -76,6 +76,7 @@ class RequestState:
         self.completion_tokens: dict[str, int] = {}
         self.prompt_tokens = sum(len(s.prompt_token_ids) for s in submissions)
         self.first_token_time: float | None = None
+        self.prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}  # by prompt index
 
     def usage(self) -> dict[str, int]:
         completion = sum(self.completion_tokens.values())
@@ -84,6 +85,16 @@ class RequestState:
 
     def finish_reasons(self) -> list[str | None]:
         return [c.finish_reason for c in self.choices.values()]
+
+
+def prompt_logprobs_body(tokenizer: Detokenizer, plp: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {"id": {logprob, rank, decoded_token}}."""
+    if plp is None:
+        return None
+    return [None if d is None else {str(t): {"logprob": clamp_logprob(v.logprob), "rank": v.rank,
+                                             "decoded_token": token_text(tokenizer, t, v)}
+                                    for t, v in d.items()}
+            for d in plp]
 
 
 class ResponseFormat:
@@ -142,12 +153,19 @@ class CompletionFormat(ResponseFormat):
         super().__init__(tokenizer, model_name, job)
         self.echo = req.echo
         self.k = req.logprobs
+        self.want_prompt_logprobs = req.params.prompt_logprobs is not None
 
     def _prefix(self, c: ChoiceState) -> str:
         return (self.job.prompt_texts[c.index // self.job.n] or "") if self.echo else ""
 
+    @property
+    def _echo_scored(self) -> bool:
+        """echo with logprobs: the prompt's scores come with the first output, so the echoed prompt waits
+        for it and leads the first delta instead of going out up front."""
+        return self.echo and self.k is not None
+
     def first_chunks(self) -> list[dict[str, Any]]:
-        if not self.echo:
+        if not self.echo or self._echo_scored:
             return []
         out = []
         for c in self.job.choices.values():
@@ -172,14 +190,40 @@ class CompletionFormat(ResponseFormat):
             c.text_offset += len(s)
         return res
 
+    def _prompt_logprobs(self, c: ChoiceState, res: dict[str, Any] | None) -> dict[str, Any] | None:
+        """echo with logprobs: the prompt's tokens lead the logprobs (the first has no score), and
+        res (the generated tokens', offsets starting after the prompt) follows."""
+        i = c.index // self.job.n
+        plp = self.job.prompt_logprobs.get(i)
+        if res is None or plp is None:
+            return res
+        ids = self.job.submissions[i].prompt_token_ids
+        head: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for tid, d in zip(ids, plp, strict=True):
+            lp = d.get(tid) if d is not None else None
+            s = token_text(self.tokenizer, tid, lp)
+            head["tokens"].append(s)
+            head["token_logprobs"].append(clamp_logprob(lp.logprob) if lp is not None else None)
+            head["top_logprobs"].append(None if d is None else {
+                token_text(self.tokenizer, t, v): clamp_logprob(v.logprob) for t, v in ranked_logprobs(d, None)})
+            head["text_offset"].append(offset)
+            offset += len(s)
+        return {key: head[key] + res[key] for key in head}
+
     def delta(self, c: ChoiceState, out: CompletionOutput) -> dict[str, Any] | None:
         text, toks, lps, done = self._advance(c, out)
         if not text and not toks and not done:
             return None
-        if not c.started:
+        first = not c.started
+        if first:
             c.started = True
             c.text_offset = len(self._prefix(c))
-        return self._chunk([{"index": c.index, "text": text, "logprobs": self._logprobs(c, toks, lps),
+        lp = self._logprobs(c, toks, lps)
+        if first and self._echo_scored:
+            text = self._prefix(c) + text
+            lp = self._prompt_logprobs(c, lp)
+        return self._chunk([{"index": c.index, "text": text, "logprobs": lp,
                              "finish_reason": c.finish_reason if done else None,
                              "stop_reason": c.stop_reason if done else None}])
 
@@ -191,9 +235,14 @@ class CompletionFormat(ResponseFormat):
         choices = []
         for c in sorted(self.job.choices.values(), key=lambda c: c.index):
             c.text_offset = len(self._prefix(c))
-            choices.append({"index": c.index, "text": self._prefix(c) + c.text,
-                            "logprobs": self._logprobs(c, c.token_ids, c.logprobs),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            lp = self._logprobs(c, c.token_ids, c.logprobs)
+            choice = {"index": c.index, "text": self._prefix(c) + c.text,
+                      "logprobs": self._prompt_logprobs(c, lp) if self.echo else lp,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if self.want_prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_body(
+                    self.tokenizer, self.job.prompt_logprobs.get(c.index // self.job.n))
+            choices.append(choice)
         return {"id": self.job.rid, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.job.usage()}
 
@@ -207,6 +256,7 @@ class ChatFormat(ResponseFormat):
         super().__init__(tokenizer, model_name, job)
         self.logprobs = req.logprobs
         self.k = req.top_logprobs
+        self.want_prompt_logprobs = req.params.prompt_logprobs is not None
 
     def first_chunks(self) -> list[dict[str, Any]]:
         out = []
@@ -248,5 +298,8 @@ class ChatFormat(ResponseFormat):
                     "logprobs": self._logprobs(c.token_ids, c.logprobs),
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for c in sorted(self.job.choices.values(), key=lambda c: c.index)]
-        return {"id": self.job.rid, "object": self.object_name, "created": self.created, "model": self.model,
+        body = {"id": self.job.rid, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.job.usage()}
+        if self.want_prompt_logprobs:  # vLLM: on the response, not per choice
+            body["prompt_logprobs"] = prompt_logprobs_body(self.tokenizer, self.job.prompt_logprobs.get(0))
+        return body

@@ -52,7 +52,10 @@ def _error_response(err: APIError, close: bool = False) -> web.Response:
     headers = dict(err.headers)
     if close:
         headers["Connection"] = "close"
-    return web.json_response(err.body(), status=err.status, headers=headers)
+    resp = web.json_response(err.body(), status=err.status, headers=headers)
+    if headers.get("Connection") == "close":  # the header alone would not stop aiohttp's keep-alive
+        resp.force_close()
+    return resp
 
 
 def _state(request: web.Request) -> ServerState:

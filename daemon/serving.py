@@ -161,6 +161,8 @@ class OpenAIServing:
             if job.first_token_time is None and any(o.token_ids for o in item.outputs):
                 job.first_token_time = time.monotonic()
             job.completion_tokens[item.request_id] = sum(len(o.token_ids) for o in item.outputs)
+            if item.prompt_logprobs is not None:
+                job.prompt_logprobs[i] = item.prompt_logprobs
             chunks = []
             for out in item.outputs:
                 chunk = fmt.delta(job.choices[(i, out.index)], out)

@@ -2,13 +2,18 @@
 
 Signals are totals over the Ready pods; per signal the desire is ceil(total / per-replica target), and the
 desire is the max over signals. A stable window smooths normal decisions; a short panic window reacts to bursts.
+
+Scale to zero (min_replicas 0, with routers in front): load never sizes below one replica; zero comes only
+from idleness, when the daemons ran and queued nothing and the routers held and proxied nothing for
+scale_to_zero_after seconds. At zero, a request held by a router wakes the deployment to one replica at once,
+as Knative's activator and the KEDA HTTP add-on do.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 EPS = 1e-9  # 1.4 / 0.7 must be 2 replicas, not 3
@@ -26,6 +31,7 @@ class Policy:
     scale_down_delay: float = 300.0
     max_scale_up_rate: float = 2.0
     max_scale_down_rate: float = 2.0
+    scale_to_zero_after: float = 300.0
 
     @classmethod
     def from_spec(cls, a: dict[str, Any]) -> Policy:
@@ -37,6 +43,7 @@ class Policy:
             stable_window=float(a["stableWindowSeconds"]), panic_window=float(a["panicWindowSeconds"]),
             panic_threshold=float(a["panicThreshold"]), scale_down_delay=float(a["scaleDownDelaySeconds"]),
             max_scale_up_rate=float(a["maxScaleUpRate"]), max_scale_down_rate=float(a["maxScaleDownRate"]),
+            scale_to_zero_after=float(a.get("scaleToZeroAfterSeconds", 300)),
         )
 
     def clamp(self, n: int) -> int:
@@ -51,14 +58,38 @@ class PodSample:
 
 
 @dataclass(frozen=True)
+class RouterSample:
+    held: float  # requests held while no daemon is ready
+    inflight: float = 0.0  # requests proxied to daemons right now
+
+
+@dataclass(frozen=True)
 class Observation:
     samples: tuple[PodSample, ...] = ()  # one per Ready pod whose scrape worked
     failed: int = 0  # Ready pods whose scrape failed: their load is unknown, not zero
     not_ready: int = 0  # pods still starting: capacity on its way
+    routers: tuple[RouterSample, ...] = ()  # one per Ready router pod whose scrape worked
+    routers_failed: int = 0  # Ready router pods whose scrape failed: they may hold requests
 
     @property
     def ready(self) -> int:
         return len(self.samples) + self.failed
+
+    @property
+    def held(self) -> float:
+        return sum(r.held for r in self.routers)
+
+    def idle(self, current: int) -> bool:
+        """Nothing anywhere: no request running or queued on a daemon, none held or in flight on a router.
+        Unknown is never idle: a failed scrape, daemons that are wanted but not (yet) answering, or no router
+        answering at all (then nothing could see the next request and wake the model)."""
+        if not self.routers or self.routers_failed or any(r.held > 0 or r.inflight > 0 for r in self.routers):
+            return False
+        if current == 0:
+            return True
+        if self.failed or self.not_ready or not self.samples:
+            return False
+        return all(s.waiting <= 0 and s.running <= 0 for s in self.samples)
 
 
 @dataclass(frozen=True)
@@ -76,6 +107,8 @@ class Decision:
     sampled: int = 0
     failed: int = 0
     not_ready: int = 0
+    held: float = 0.0  # over the routers that answered
+    idle_for: float | None = None  # seconds of uninterrupted idleness, None when not idle
 
     @property
     def scaled(self) -> bool:
@@ -90,7 +123,7 @@ class Decision:
         return (f"{self.reason}: replicas {self.current} -> {self.desired}; panic={self.panic} "
                 f"kv_total={self.kv_total:.2f} waiting_total={self.waiting_total:.1f} "
                 f"stable_desire={self.stable_desire} panic_desire={self.panic_desire} "
-                f"sampled={self.sampled} failed={self.failed} not_ready={self.not_ready}")
+                f"sampled={self.sampled} failed={self.failed} not_ready={self.not_ready} held={self.held:.0f}")
 
 
 def _ceil(x: float) -> int:
@@ -104,6 +137,7 @@ class Autoscaler:
     _desires: deque[tuple[float, int]] = field(default_factory=deque)  # (t, wanted replicas) for scale-down
     _since: float | None = None  # first decision: the scale-down delay needs this much history
     _panic_until: float | None = None
+    _idle_since: float | None = None
 
     def desire(self, kv_total: float, waiting_total: float) -> int:
         p = self.policy
@@ -122,9 +156,43 @@ class Autoscaler:
         while self._desires and self._desires[0][0] < now - self.policy.scale_down_delay:
             self._desires.popleft()
 
-    def decide(self, now: float, current: int, obs: Observation) -> Decision:
+    def _track_idle(self, now: float, current: int, obs: Observation) -> float | None:
+        if not obs.idle(current):
+            self._idle_since = None
+            return None
+        if self._idle_since is None:
+            self._idle_since = now
+        return now - self._idle_since
+
+    def _from_zero(self, now: float, obs: Observation, base: dict[str, Any]) -> Decision:
+        """At zero there are no daemon metrics: only the routers' held requests say there is demand."""
         p = self.policy
-        base = {"current": current, "sampled": len(obs.samples), "failed": obs.failed, "not_ready": obs.not_ready}
+        if obs.held > 0:
+            desired, reason = p.clamp(1), "Activate"  # at once: a request is waiting
+        elif obs.routers_failed:
+            desired, reason = p.clamp(0), "RouterMetricsUnknown"
+        else:
+            desired, reason = p.clamp(0), "ScaledToZero"
+        if desired and reason != "Activate":
+            reason = "AtMinimum"
+        self._remember(now, desired)
+        return Decision(desired=desired, reason=reason, metrics_known=not obs.routers_failed, **base)
+
+    def decide(self, now: float, current: int, obs: Observation) -> Decision:
+        decision = self._decide(now, current, obs)
+        p = self.policy
+        if (p.min_replicas == 0 and current > 0 and decision.idle_for is not None
+                and decision.idle_for >= p.scale_to_zero_after):
+            self._panic_until = None
+            return replace(decision, desired=0, reason="ScaleToZero", panic=False)
+        return decision
+
+    def _decide(self, now: float, current: int, obs: Observation) -> Decision:
+        p = self.policy
+        base = {"current": current, "sampled": len(obs.samples), "failed": obs.failed, "not_ready": obs.not_ready,
+                "held": obs.held, "idle_for": self._track_idle(now, current, obs)}
+        if current == 0 and (obs.routers or obs.routers_failed or p.min_replicas == 0):
+            return self._from_zero(now, obs, base)
         if not obs.samples:
             # Unknown load: hold (only the user's bounds may move replicas) and block later scale-downs.
             self._remember(now, current)
@@ -150,6 +218,7 @@ class Autoscaler:
         if not panic:
             self._panic_until = None
         wanted = max(current, panic_desire) if panic else stable
+        wanted = max(wanted, 1)  # load never sizes below one replica: zero comes from idleness alone
         if obs.failed:
             wanted = max(wanted, current)  # never scale down on missing data
         self._remember(now, wanted)

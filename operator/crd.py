@@ -15,6 +15,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from kvpilot.operator import resources
+
 CRD_RESOURCE = "inferencedeployment-crd.yaml"
 CRD_PATH = Path(__file__).with_name(CRD_RESOURCE)
 
@@ -102,6 +104,7 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
     uri = str(spec.get("model", {}).get("uri", ""))
     if uri and not URI_RE.match(uri):
         errors.append("model.uri must start with hf://, pvc://claim/, builtin:// or file:///")
+    errors += router_rule_errors(spec)
     a = spec.get("autoscaling", {})
     try:
         if a["minReplicas"] > a["maxReplicas"]:
@@ -115,6 +118,23 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
     except (KeyError, TypeError):
         pass  # already reported by the schema check
     return errors
+
+
+def router_rule_errors(spec: dict[str, Any]) -> list[str]:
+    """The CEL rules on spec.router and on minReplicas 0, which needs our router to wake the model."""
+    errors = []
+    r = spec.get("router") or {}
+    if r.get("mode") == "inferencePool" and not r.get("endpointPickerRef"):
+        errors.append("router.endpointPickerRef is required when router.mode is inferencePool")
+    if (spec.get("autoscaling") or {}).get("minReplicas", 1) == 0 and not resources.builtin_router(spec):
+        errors.append("autoscaling.minReplicas 0 needs router.enabled true in router.mode builtin: with no pod "
+                      "left, only the router's held requests can wake the model")
+    return errors
+
+
+def inference_pool(spec: dict[str, Any]) -> bool:
+    r = spec.get("router") or {}
+    return bool(r.get("enabled")) and r.get("mode") == "inferencePool"
 
 
 def validate(name: str, spec: dict[str, Any]) -> list[str]:

@@ -1,6 +1,7 @@
 """Thin kopf handlers: wire the CRD, reconcile, the autoscaling loop and the API together.
 
-- create/update/resume -> one idempotent reconcile (server-side apply of Deployment, Service, PDB);
+- create/update/resume -> one idempotent reconcile (server-side apply of the Deployment, Services, PDBs and,
+  with spec.router, the router's objects or an InferencePool);
 - an index of the InferenceDeployments feeds one autoscaling loop, started at startup (loop.py).
 No handler needs a finalizer (no daemons, timers or on.delete): deleting an InferenceDeployment never waits
 for the operator, and its children go by owner-reference garbage collection.
@@ -22,7 +23,7 @@ from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.finalizers import strip_legacy_finalizers
 from kvpilot.operator.loop import AutoscalingLoop, index_entry
 from kvpilot.operator.names import GROUP, PLURAL, VERSION
-from kvpilot.operator.reconcile import NotReady, reconcile
+from kvpilot.operator.reconcile import Degraded, NotReady, reconcile
 from kvpilot.operator.tick import Cr
 
 
@@ -97,9 +98,11 @@ async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, logger: logging.Lo
     cr = Cr.from_body(body)
     try:
         async with memo.locks.setdefault(cr.key, asyncio.Lock()):
-            await reconcile(memo.kube, cr, logger)
+            await reconcile(memo.kube, cr, logger, status=dict(body.get("status") or {}))
     except NotReady as e:
         raise kopf.TemporaryError(str(e), delay=2) from e
+    except Degraded as e:  # the status says it; try again now and then, e.g. for a CRD installed later
+        raise kopf.TemporaryError(str(e), delay=120) from e
     except (kube.KubeApiError, aiohttp.ClientError, TimeoutError) as e:
         metrics.RECONCILES.labels(*cr.key, "error").inc()
         raise kopf.TemporaryError(f"API call failed: {e}", delay=5) from e

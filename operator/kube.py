@@ -302,6 +302,22 @@ def pods(ns: str) -> str:
     return collection("v1", "pods", ns)
 
 
+def serviceaccounts(ns: str) -> str:
+    return collection("v1", "serviceaccounts", ns)
+
+
+def roles(ns: str) -> str:
+    return collection("rbac.authorization.k8s.io/v1", "roles", ns)
+
+
+def rolebindings(ns: str) -> str:
+    return collection("rbac.authorization.k8s.io/v1", "rolebindings", ns)
+
+
+def inferencepools(ns: str) -> str:
+    return collection("inference.networking.k8s.io/v1", "inferencepools", ns)
+
+
 def events(ns: str) -> str:
     return collection("v1", "events", ns)
 

@@ -22,6 +22,8 @@ from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.tick import Cr, act, decide, observe, record
 
 Key = tuple[str, str]
+# Scaled to zero, a held request waits for the next tick: tick at least this often (only the routers answer).
+ZERO_INTERVAL = 1.0
 TICK_ERRORS = (TimeoutError, kube.KubeApiError, aiohttp.ClientError)
 
 
@@ -88,6 +90,8 @@ class AutoscalingLoop:
                 plan, state.scaler = decide(observed, state.scaler, time.monotonic())
                 record(observed, plan)
                 await act(self.client, observed, plan, self.logger)
+                if plan.enabled and plan.desired == 0:
+                    state.due = now + min(cr.interval, ZERO_INTERVAL)
         except TICK_ERRORS as e:
             self.logger.warning("autoscaler tick of %s/%s failed, retrying next interval: %s", *cr.key, e)
         except Exception:  # a bug must not stop the scaling of every other object

@@ -21,11 +21,21 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 OWNER_LABEL = "kvpilot.io/inferencedeployment"
 DAEMON_APP = "kvpilot-daemon"
+ROUTER_APP = "kvpilot-router"
 MANAGER = "kvpilot-operator"
 
 
 def selector_labels(name: str) -> dict[str, str]:
     return {NAME_LABEL: DAEMON_APP, OWNER_LABEL: name}
+
+
+def router_selector_labels(name: str) -> dict[str, str]:
+    return {NAME_LABEL: ROUTER_APP, OWNER_LABEL: name}
+
+
+def builtin_router(spec: dict[str, Any]) -> bool:
+    router = spec.get("router") or {}
+    return bool(router.get("enabled")) and router.get("mode", "builtin") == "builtin"
 
 
 def labels(name: str) -> dict[str, str]:
@@ -245,7 +255,9 @@ def render_service(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
         "metadata": metadata,
         "spec": {
             "type": svc["type"],
-            "selector": selector_labels(meta["name"]),
+            # With the builtin router the clients' Service fronts the routers; they reach the daemons
+            # through the headless <name>-daemons Service (routing.py).
+            "selector": (router_selector_labels if builtin_router(spec) else selector_labels)(meta["name"]),
             "ports": [{"name": "http", "port": svc["port"], "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -269,10 +281,11 @@ def service_url(meta: dict[str, Any], spec: dict[str, Any]) -> str:
 
 def reconcile_replicas(spec: dict[str, Any], live: int | None) -> int:
     """Replicas to write on reconcile. With autoscaling on, keep the live count (the autoscaler owns it),
-    only clamped into [min, max]; a new Deployment starts at minReplicas."""
+    only clamped into [min, max]; a new Deployment starts at minReplicas, but at least 1 so that a new model
+    is loaded and checked once (scale to zero comes later, from idleness)."""
     a = spec["autoscaling"]
     if not a["enabled"]:
         return spec["replicas"]
     if live is None:
-        return a["minReplicas"]
+        return max(a["minReplicas"], 1)
     return min(max(live, a["minReplicas"]), a["maxReplicas"])

@@ -1,19 +1,20 @@
-"""Concurrent scrape of the daemons' /metrics, parsed with prometheus_client's text parser."""
+"""Concurrent scrape of the daemons' and the routers' /metrics, parsed with prometheus_client's text parser."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.operator.autoscaler import Observation, PodSample
+from kvpilot.operator.autoscaler import Observation, PodSample, RouterSample
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 METRICS_PORT_ANNOTATION = "kvpilot.io/metrics-port"
 METRICS_PATH_ANNOTATION = "kvpilot.io/metrics-path"
@@ -23,6 +24,10 @@ DEFAULT_NAMES = {
     "waitingRequests": "vllm:num_requests_waiting",
     "runningRequests": "vllm:num_requests_running",
 }
+
+# The router's own series (router/metrics.py): fixed, since the operator deploys that router itself.
+ROUTER_HELD = "kvpilot:router_held_requests"
+ROUTER_INFLIGHT = "kvpilot:router_endpoint_inflight"
 
 
 class ScrapeError(Exception):
@@ -54,8 +59,27 @@ def parse_metrics(text: str, names: dict[str, str]) -> PodSample:
     )
 
 
+def parse_router_metrics(text: str) -> RouterSample:
+    """One router's page. The held gauge is always there; in-flight has a series per endpoint once used."""
+    held: list[float] = []
+    inflight = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == ROUTER_HELD:
+                held.append(float(s.value))
+            elif s.name == ROUTER_INFLIGHT:
+                inflight += float(s.value)
+    if not held:
+        raise ScrapeError(f"series missing: {ROUTER_HELD}")
+    return RouterSample(held=sum(held), inflight=inflight)
+
+
 async def scrape_one(session: aiohttp.ClientSession, target: Target, names: dict[str, str],
                      timeout: float) -> PodSample:
+    return await fetch(session, target, timeout, lambda text: parse_metrics(text, names))
+
+
+async def fetch(session: aiohttp.ClientSession, target: Target, timeout: float, parse: Callable[[str], T]) -> T:
     try:
         async with session.get(target.url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
@@ -64,7 +88,7 @@ async def scrape_one(session: aiohttp.ClientSession, target: Target, names: dict
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         raise ScrapeError(f"{type(e).__name__}: {e}") from e
     try:
-        return parse_metrics(text, names)
+        return parse(text)
     except ScrapeError:
         raise
     except Exception as e:  # the parser raises ValueError and friends on garbage
@@ -91,6 +115,23 @@ async def scrape(session: aiohttp.ClientSession, targets: Iterable[Target], not_
         else:
             raise r  # a bug, not a pod problem
     return ScrapeResult(Observation(samples=tuple(samples), failed=len(errors), not_ready=not_ready), errors)
+
+
+async def scrape_routers(session: aiohttp.ClientSession, targets: Iterable[Target],
+                         timeout: float = 2.0) -> tuple[tuple[RouterSample, ...], dict[str, str]]:
+    """The routers' samples, and pod -> why its scrape failed."""
+    targets = list(targets)
+    results = await asyncio.gather(*(fetch(session, t, timeout, parse_router_metrics) for t in targets),
+                                   return_exceptions=True)
+    samples, errors = [], {}
+    for t, r in zip(targets, results, strict=True):
+        if isinstance(r, RouterSample):
+            samples.append(r)
+        elif isinstance(r, ScrapeError):
+            errors[t.pod] = str(r)
+        else:
+            raise r
+    return tuple(samples), errors
 
 
 def pod_is_ready(pod: dict[str, Any]) -> bool:

@@ -25,7 +25,7 @@ def set_condition(conditions: list[dict[str, Any]], ctype: str, status: str, rea
     if generation is not None:
         cond["observedGeneration"] = generation
     out = [c for c in conditions if c.get("type") != ctype] + [cond]
-    order = {"Ready": 0, "Progressing": 1, "ScalingActive": 2}
+    order = {"Ready": 0, "Progressing": 1, "ScalingActive": 2, "RouterReady": 3}
     return sorted(out, key=lambda c: order.get(c.get("type", ""), 9))
 
 
@@ -111,15 +111,60 @@ def _scaling(conditions: list[dict[str, Any]], old: dict[str, Any], enabled: boo
     return scaling_condition(conditions, enabled, decision if enabled else None, now, generation)
 
 
+def _router_mode(spec: dict[str, Any]) -> str | None:
+    router = spec.get("router") or {}
+    return router.get("mode", "builtin") if router.get("enabled") else None
+
+
+def routing_status(conditions: list[dict[str, Any]], old: dict[str, Any], meta: dict[str, Any],
+                   spec: dict[str, Any], router: dict[str, Any] | None, routing_error: tuple[str, str] | None,
+                   reconciled: bool, decision: Decision | None, now: str,
+                   ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """status.router ({} keeps the old one, None removes it) and the RouterReady condition.
+
+    builtin: from the router Deployment, when one was read. inferencePool: from reconcile, which applied the
+    InferencePool. Either way reconcile may have got `routing_error` (reason, message) instead, e.g. on a
+    cluster without the InferencePool CRD, or with a chart that does not let the operator deploy routers."""
+    gen, mode = meta.get("generation"), _router_mode(spec)
+    if mode is None:
+        kept = [c for c in conditions if c.get("type") != "RouterReady"]
+        return (None if "router" in old else {}), kept
+    if mode == "inferencePool":
+        if not reconciled:
+            return {}, conditions
+        out = {"mode": mode, "inferencePool": meta["name"], "replicas": 0, "readyReplicas": 0}
+        if routing_error is not None:
+            return out, set_condition(conditions, "RouterReady", "False", *routing_error, now, gen)
+        return out, set_condition(conditions, "RouterReady", "True", "InferencePoolApplied",
+                                  f"InferencePool {meta['name']} selects the daemon pods", now, gen)
+    if routing_error is not None and reconciled:
+        return {"mode": mode}, set_condition(conditions, "RouterReady", "False", *routing_error, now, gen)
+    if router is None:
+        return {}, conditions
+    st = router.get("status") or {}
+    want = (router.get("spec") or {}).get("replicas", 0) or 0
+    ready = st.get("readyReplicas", 0) or 0
+    out = {"mode": mode, "replicas": st.get("replicas", 0) or 0, "readyReplicas": ready}
+    if decision is not None:
+        out["heldRequests"] = round(decision.held, 2)
+    if ready > 0:
+        return out, set_condition(conditions, "RouterReady", "True", "RouterAvailable",
+                                  f"{ready}/{want} router pods ready", now, gen)
+    return out, set_condition(conditions, "RouterReady", "False", "RouterUnavailable",
+                              f"0/{want} router pods ready: the Service has no endpoint", now, gen)
+
+
 def status_patch(*, meta: dict[str, Any], spec: dict[str, Any], old: dict[str, Any] | None,
                  deployment: dict[str, Any] | None, now: str, errors: list[str] | None = None,
                  desired: int | None = None, decision: Decision | None = None, scaled: bool = False,
-                 reconciled: bool = False) -> dict[str, Any]:
+                 reconciled: bool = False, router: dict[str, Any] | None = None,
+                 routing_error: tuple[str, str] | None = None) -> dict[str, Any]:
     """The one status an InferenceDeployment gets, from what was observed and decided.
 
     `old` is the status read just before (conditions keep their transition times); `reconciled` says the
     spec of meta["generation"] was converged on (or found invalid), which is what observedGeneration means.
-    `decision` is the autoscaler's, or with autoscaling off a sample of the load only.
+    `decision` is the autoscaler's, or with autoscaling off a sample of the load only. `router` is the router
+    Deployment (builtin mode) and `routing_error` why the InferencePool could not be applied (routing_status).
     """
     old = dict(old or {})
     gen = meta.get("generation")
@@ -140,8 +185,17 @@ def status_patch(*, meta: dict[str, Any], spec: dict[str, Any], old: dict[str, A
         "desiredReplicas": live if desired is None else desired,
         "selector": selector_string(meta["name"]),
         "url": service_url(meta, spec),
-        "conditions": _scaling(conditions, old, enabled, decision, now, gen),
     })
+    conditions = _scaling(conditions, old, enabled, decision, now, gen)
+    router_st, patch["conditions"] = routing_status(conditions, old, meta, spec, router, routing_error, reconciled,
+                                                    decision, now)
+    if router_st:
+        prev = old.get("router") or {}
+        # After a mode switch the other mode's fields go (null deletes in a merge patch).
+        stale = {k: None for k in prev if k not in router_st} if prev.get("mode") != router_st["mode"] else {}
+        patch["router"] = {**stale, **router_st}
+    elif router_st is None:
+        patch["router"] = None
     if decision is not None and enabled:
         patch["autoscaler"] = {"panic": decision.panic, "reason": decision.reason, "message": decision.message()}
     if scaled:

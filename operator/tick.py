@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
 
-from kvpilot.operator import crd, kube, metrics, resources
+from kvpilot.operator import crd, kube, metrics, resources, routing
 from kvpilot.operator.autoscaler import Autoscaler, Decision, Policy
 from kvpilot.operator.names import GROUP, KIND, VERSION
-from kvpilot.operator.scrape import ScrapeResult, scrape, split_pods
+from kvpilot.operator.scrape import ScrapeResult, scrape, scrape_routers, split_pods
 from kvpilot.operator.status import now_iso, status_patch
 
 AUTOSCALER_MANAGER = "kvpilot-autoscaler"
@@ -51,8 +51,10 @@ class Cr:
 class Observed:
     cr: Cr
     deployment: dict[str, Any]
-    scraped: ScrapeResult
+    scraped: ScrapeResult  # its observation includes the routers' samples
     targets: int
+    router: dict[str, Any] | None = None  # the router Deployment (builtin mode)
+    router_errors: dict[str, str] = field(default_factory=dict)  # router pod -> why its scrape failed
 
     @property
     def current(self) -> int:
@@ -89,7 +91,24 @@ async def observe(client: kube.KubeClient, http: aiohttp.ClientSession, cr: Cr,
     pods = [p for p in listed if resources.matches_selector(p.get("metadata", {}).get("labels"), name)]
     targets, not_ready = split_pods(pods, resources.DAEMON_PORT)
     scraped = await scrape(http, targets, not_ready, dict(cr.spec["autoscaling"]["metrics"]), scrape_timeout)
-    return Observed(cr=cr, deployment=deployment, scraped=scraped, targets=len(targets))
+    if not resources.builtin_router(cr.spec):
+        return Observed(cr=cr, deployment=deployment, scraped=scraped, targets=len(targets))
+    return await observe_routers(client, http, cr, scrape_timeout,
+                                 Observed(cr=cr, deployment=deployment, scraped=scraped, targets=len(targets)))
+
+
+async def observe_routers(client: kube.KubeClient, http: aiohttp.ClientSession, cr: Cr, scrape_timeout: float,
+                          observed: Observed) -> Observed:
+    """The routers' held and in-flight requests: the only demand signal while the daemons are at zero."""
+    ns, name = cr.key
+    router = await client.get(f"{kube.deployments(ns)}/{routing.router_name(name)}")
+    listed = await client.list(kube.pods(ns), label_selector=routing.router_selector_string(name))
+    pods = [p for p in listed if routing.matches_router(p.get("metadata", {}).get("labels"), name)]
+    targets, _starting = split_pods(pods, routing.ROUTER_PORT)
+    samples, errors = await scrape_routers(http, targets, scrape_timeout)
+    obs = replace(observed.scraped.observation, routers=samples, routers_failed=len(errors))
+    return replace(observed, scraped=replace(observed.scraped, observation=obs), router=router,
+                   targets=observed.targets + len(targets), router_errors=errors)
 
 
 def decide(observed: Observed, scaler: Autoscaler | None, now: float) -> tuple[Plan, Autoscaler | None]:
@@ -112,7 +131,7 @@ def record(observed: Observed, plan: Plan) -> None:
     """The operator's own metrics for one tick."""
     ns, name = observed.cr.key
     metrics.SCRAPES.labels(ns, name).inc(observed.targets)
-    metrics.SCRAPE_ERRORS.labels(ns, name).inc(len(observed.scraped.errors))
+    metrics.SCRAPE_ERRORS.labels(ns, name).inc(len(observed.scraped.errors) + len(observed.router_errors))
     if plan.enabled:
         metrics.DECISIONS.labels(ns, name, plan.direction, plan.decision.reason).inc()
         metrics.PANIC.labels(ns, name).set(1 if plan.decision.panic else 0)
@@ -123,7 +142,7 @@ def record(observed: Observed, plan: Plan) -> None:
 
 
 async def act(client: kube.KubeClient, observed: Observed, plan: Plan, logger: logging.Logger) -> None:
-    for pod, err in observed.scraped.errors.items():
+    for pod, err in {**observed.scraped.errors, **observed.router_errors}.items():
         logger.warning("scrape of pod %s failed: %s", pod, err)
     cr, now = observed.cr, now_iso()
     deployment: dict[str, Any] | None = observed.deployment
@@ -140,8 +159,9 @@ async def act(client: kube.KubeClient, observed: Observed, plan: Plan, logger: l
             logger.info("autoscaler: the Deployment changed under the decision; deciding again next tick")
     else:
         logger.debug("autoscaler: %s", plan.decision.message())
+    extra = {"router": observed.router} if observed.router is not None else {}
     await write_status(client, cr, deployment=deployment, now=now, desired=plan.desired,
-                       decision=plan.decision, scaled=scaled)
+                       decision=plan.decision, scaled=scaled, **extra)
 
 
 async def scale(client: kube.KubeClient, cr: Cr, plan: Plan) -> dict[str, Any] | None:

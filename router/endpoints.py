@@ -164,6 +164,6 @@ class SliceWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the API server restarting or a network blip must not end discovery
-                log.warning("endpointslice watch failed; retrying",
-                            extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}})
+                err = f"{type(exc).__name__}: {exc}"
+                log.warning("endpointslice watch failed; retrying: %s", err, extra={"fields": {"error": err}})
                 await asyncio.sleep(self.backoff)

@@ -4,6 +4,7 @@ service account first, then KUBECONFIG), requests and watch streams over aiohttp
 from __future__ import annotations
 
 import json
+import os
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ class KubeClient:
         try:
             config.load_incluster_config(client_configuration=cfg)
         except config.ConfigException:
-            config.load_kube_config(client_configuration=cfg)
+            # the package reads $KUBECONFIG once at import; read it now
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, client_configuration=cfg)
         return cls(host=cfg.host.rstrip("/"), config=cfg, ssl_context=_ssl_context(cfg))
 
     def _headers(self) -> dict[str, str]:

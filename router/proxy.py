@@ -129,13 +129,14 @@ class Proxy:
                        att: _Attempts) -> web.StreamResponse | None:
         """One try on one replica: the response to send, or None to try the next replica."""
         st = self.state
-        st.dispatched(key, ep, d)
+        st.dispatched(ep, d)
         try:
             async with self.session.request(request.method, ep.url + request.path_qs, data=raw or None,
                                             headers=_forward_headers(request.headers),
                                             timeout=self.timeout) as up:
                 if up.status in (429, 503):
                     return await self._refused(up, ep, att)
+                st.accepted(key, ep, d)
                 if "text/event-stream" in up.headers.get("Content-Type", ""):
                     att.started = True
                     return await self._stream(request, up, ep, d)

@@ -127,19 +127,26 @@ class RouterState:
         assert ep is not None
         return ep, d
 
-    def dispatched(self, key: RouteKey, ep: Endpoint, d: Decision) -> None:
-        """The request goes to `ep`: count it, and remember its blocks and session there."""
+    def dispatched(self, ep: Endpoint, d: Decision) -> None:
+        """An attempt goes to `ep`: count the decision and the request in flight there."""
+        self.metrics.decided(d.reason)
+        self.add_inflight(ep.name, 1)
+
+    def accepted(self, key: RouteKey, ep: Endpoint, d: Decision) -> None:
+        """`ep` took the request (no 429/503): it will hold the prompt's blocks, and the session is its."""
         m = self.metrics
-        m.decided(d.reason)
         if key.prompt_tokens:
             m.prompt_tokens.inc(key.prompt_tokens)
             m.prefix_hit_tokens.inc(d.hit_blocks * self.hasher.block_size)
             self.index.record(key.hashes, ep.name)
         if key.session is not None:
             self.sessions.put(key.session, ep.name)
-        self.add_inflight(ep.name, 1)
 
     def add_inflight(self, name: str, delta: int) -> None:
         n = self.inflight.get(name, 0) + delta
+        if n == 0 and self.endpoints.get(name) is None:  # the last request of a replica that left
+            self.inflight.pop(name, None)
+            self.metrics.drop_endpoint(name)
+            return
         self.inflight[name] = n
         self.metrics.set_inflight(name, n)

@@ -56,8 +56,9 @@ def test_names_scope_subresources_and_printer_columns():
                                           "statusReplicasPath": ".status.replicas",
                                           "labelSelectorPath": ".status.selector"}
     cols = {col["name"].upper(): col for col in v["additionalPrinterColumns"]}
-    assert list(cols) == ["MODEL", "REPLICAS", "READY", "DESIRED", "KV%", "WAITING", "AGE", "URL"]
-    assert cols["URL"]["priority"] == 1
+    assert list(cols) == ["MODEL", "REPLICAS", "READY", "DESIRED", "KV%", "WAITING", "AGE", "ROUTER", "URL"]
+    assert cols["URL"]["priority"] == 1 and cols["ROUTER"]["priority"] == 1  # `kubectl get -o wide`
+    assert cols["ROUTER"]["jsonPath"] == ".status.router.readyReplicas"
     paths = {p for p, _ in checks.walk(schema())}
     for col in v["additionalPrinterColumns"]:
         assert col["jsonPath"].lstrip(".") in paths | {"metadata.creationTimestamp"}, col
@@ -205,6 +206,9 @@ def test_there_is_an_example():
     assert examples()
 
 
+PICKER = {"name": "epp", "port": {"number": 9002}}
+
+
 @pytest.mark.parametrize("name, patch, message", [
     ("ok", {}, None),
     ("ok", {"model": {"uri": "s3://bucket/model"}}, "model.uri must start with"),
@@ -215,6 +219,12 @@ def test_there_is_an_example():
     ("ok", {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "minReplicas must be <= "),
     ("ok", {"autoscaling": {"panicWindowSeconds": 200, "stableWindowSeconds": 100}}, "panicWindowSeconds"),
     ("x" * 51, {}, "metadata.name must be at most 50"),
+    ("ok", {"autoscaling": {"minReplicas": 0}}, "minReplicas 0 needs router.enabled"),
+    ("ok", {"autoscaling": {"minReplicas": 0}, "router": {"enabled": True}}, None),
+    ("ok", {"autoscaling": {"minReplicas": 0}, "router": {"enabled": True, "mode": "inferencePool",
+                                                          "endpointPickerRef": PICKER}}, "minReplicas 0 needs"),
+    ("ok", {"router": {"enabled": True, "mode": "inferencePool"}}, "endpointPickerRef is required"),
+    ("ok", {"router": {"enabled": True, "mode": "inferencePool", "endpointPickerRef": PICKER}}, None),
 ])
 def test_cel_rules_and_the_operators_python_mirror_agree(name, patch, message):
     spec = crd.default_spec({"model": {"uri": "hf://org/m"}})
@@ -253,6 +263,12 @@ def test_model_uri_is_immutable():
     ({"engine": {"blockSize": 12}}, "spec.engine.blockSize"),
     ({"engine": {"schedulingPolicy": "lifo"}}, "spec.engine.schedulingPolicy"),
     ({"autoscaling": {"maxReplicas": 0}}, "spec.autoscaling.maxReplicas"),
+    ({"autoscaling": {"minReplicas": -1}}, "spec.autoscaling.minReplicas"),
+    ({"router": {"replicas": 1}}, "spec.router.replicas"),
+    ({"router": {"mode": "envoy"}}, "spec.router.mode"),
+    ({"router": {"mode": "inferencePool", "endpointPickerRef": {"name": "epp"}}}, "'port' is a required"),
+    ({"router": {"mode": "inferencePool", "endpointPickerRef": {**PICKER, "failureMode": "Maybe"}}},
+     "spec.router.endpointPickerRef.failureMode"),
     ({"service": {"type": "ExternalName"}}, "spec.service.type"),
     ({"enginee": {}}, "'enginee' was unexpected"),
 ])

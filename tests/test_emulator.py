@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+
 from operator_support import selectors
 from operator_support.calls import parse_call
 from operator_support.emulator import strategic_merge
-from operator_support.harness import CR_PATH, cluster
+from operator_support.harness import CR_PATH, cluster, eventually, operator
 
 pytestmark = pytest.mark.timeout(60)
 NS = "ml"
@@ -51,6 +54,20 @@ async def test_status_and_spec_are_written_through_their_own_endpoints(tmp_path)
                            {"spec": {"replicas": 7}, "metadata": {"labels": {"x": "y"}}, "status": {"replicas": 5}})
         assert sub["spec"]["replicas"] == 1 and "labels" not in sub["metadata"]  # status ignores the rest
         assert sub["status"] == {"replicas": 5}
+
+
+async def test_deployment_status_is_written_through_status_only(tmp_path):
+    async with cluster(tmp_path) as k:
+        created = await k.call("POST", DEP, deployment() | {"status": {"readyReplicas": 3}})
+        assert "status" not in created  # a create sets no status
+        main = await k.call("PATCH", f"{DEP}/web", {"spec": {"replicas": 2}, "status": {"readyReplicas": 3}})
+        assert "status" not in main and main["metadata"]["generation"] == 2
+        sub = await k.set_deployment_status(NS, "web", {"replicas": 2, "readyReplicas": 1})
+        assert sub["status"] == {"replicas": 2, "readyReplicas": 1} and sub["metadata"]["generation"] == 2
+        kept = await k.call("PATCH", f"{DEP}/web", {"spec": {"replicas": 3}, "status": None})
+        assert kept["status"] == {"replicas": 2, "readyReplicas": 1}  # the main resource cannot drop it either
+        scale = await k.call("GET", f"{DEP}/web/scale")
+        assert scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 2
 
 
 async def test_stale_resource_version_is_a_conflict(tmp_path):
@@ -151,6 +168,32 @@ async def test_deleting_an_owner_collects_its_children(tmp_path):
         assert await k.deployment(NS, "web") is None
 
 
+async def test_writing_roles_records_the_escalation_checks(tmp_path):
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}"
+    rules = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list"]},
+             {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"], "resourceNames": ["p"]}]
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "r"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "r"},
+               "subjects": [{"kind": "ServiceAccount", "name": "r", "namespace": NS}]}
+    want = {("get", "endpointslices", "", None), ("list", "endpointslices", "", None), ("get", "pods", "log", "p")}
+
+    def checks() -> set:
+        out = {(c.verb, c.resource, c.subresource, c.name) for c in k.calls if c.method == "escalation"}
+        assert {c.namespace for c in k.calls if c.method == "escalation"} <= {NS}
+        return out
+    async with cluster(tmp_path) as k:
+        await k.call("POST", f"{rbac}/rolebindings", binding)
+        assert checks() == {("bind", "roles", "", "r")}  # no such Role: binding it needs `bind`
+        await k.call("DELETE", f"{rbac}/rolebindings/r")
+        k.emulator.calls.clear()
+        await k.call("POST", f"{rbac}/roles", {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                                               "metadata": {"name": "r"}, "rules": rules})
+        assert checks() == want  # writing a Role needs what it grants
+        k.emulator.calls.clear()
+        await k.call("POST", f"{rbac}/rolebindings", binding)
+        assert checks() == want  # and so does binding it
+
+
 @pytest.mark.parametrize("method, path, query, expected", [
     ("GET", "/api/v1/pods", {}, ("list", "", "pods", "", None)),
     ("GET", "/api/v1/namespaces/ml/pods", {"watch": "true"}, ("watch", "", "pods", "", "ml")),
@@ -175,3 +218,20 @@ def test_strategic_merge_deletes_items_and_selector_parses():
     assert match({"a": "0", "b": "3"}) and not match({"a": "1", "b": "3"}) and not match({"a": "0"})
     with pytest.raises(ValueError, match="labelSelector"):
         selectors.parse("a in")
+
+
+async def test_operator_with_peering_stops_at_once_and_leaves_the_peering(monkeypatch, tmp_path):
+    """The emulator answers on its own loop while KopfRunner's exit blocks the test's: kopf's last PATCH,
+    which takes it out of the peering object, is served at once instead of waiting out the runner's timeout."""
+    peering = "/apis/kopf.dev/v1/clusterkopfpeerings/kvpilot"
+    async with cluster(tmp_path) as k:
+        await k.call("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
+                     {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "kvpilot"}})
+
+        async def peers():
+            return ((await k.get(peering)) or {}).get("status")
+        with operator(monkeypatch, tmp_path, k.url, peering="kvpilot"):
+            await eventually(peers, what="the operator in the peering object")
+            stopping = time.monotonic()
+        assert time.monotonic() - stopping < 15
+        assert not await peers()  # kopf's goodbye was served

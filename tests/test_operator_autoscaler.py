@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvpilot.operator.autoscaler import Autoscaler, Decision, Observation, PodSample, Policy
+from kvpilot.operator.autoscaler import Autoscaler, Decision, Observation, PodSample, Policy, RouterSample
 
 
 def obs(*kv: float, waiting: float = 0.0, failed: int = 0, not_ready: int = 0) -> Observation:
@@ -172,3 +172,90 @@ def test_policy_from_defaulted_spec():
     a = crd.default_spec({"model": {"uri": "hf://o/m"}, "autoscaling": {"maxReplicas": 9}})["autoscaling"]
     p = Policy.from_spec(a)
     assert (p.min_replicas, p.max_replicas, p.target_kv_cache_usage, p.scale_down_delay) == (1, 9, 0.7, 300.0)
+
+
+# --- scale to zero (min_replicas 0, routers in front) -------------------------------------------------------
+
+ZERO = Policy(min_replicas=0, max_replicas=4, stable_window=60, panic_window=10, scale_down_delay=120,
+              scale_to_zero_after=300)
+IDLE_ROUTERS = (RouterSample(held=0.0), RouterSample(held=0.0))
+
+
+def routed(*kv: float, waiting: float = 0.0, running: float = 0.0, held: float = 0.0, inflight: float = 0.0,
+           routers_failed: int = 0) -> Observation:
+    samples = tuple(PodSample(k, waiting, running) for k in kv)
+    routers = (RouterSample(held=held, inflight=inflight), RouterSample(held=0.0))
+    return Observation(samples=samples, routers=routers, routers_failed=routers_failed)
+
+
+def test_idle_on_daemons_and_routers_for_the_whole_period_scales_to_zero():
+    scaler = Autoscaler(ZERO)
+    for t in range(0, 300, 10):
+        d = scaler.decide(float(t), 1, routed(0.0))
+        assert d.desired == 1, (t, d)  # load alone never sizes below one
+    d = scaler.decide(300.0, 1, routed(0.0))
+    assert (d.desired, d.reason) == (0, "ScaleToZero") and d.idle_for == 300.0
+
+
+@pytest.mark.parametrize("busy", [
+    routed(0.1, running=1),             # a daemon is decoding
+    routed(0.0, waiting=1),             # a daemon queues one
+    routed(0.0, inflight=1),            # a router has one in flight
+    routed(0.0, held=1),                # a router holds one
+    routed(0.0, routers_failed=1),      # a router did not answer: it may hold requests
+    Observation(samples=(PodSample(0.0, 0.0),), failed=1, routers=IDLE_ROUTERS),  # a daemon did not answer
+    Observation(samples=(PodSample(0.0, 0.0),), not_ready=1, routers=IDLE_ROUTERS),  # one is loading
+    Observation(samples=(PodSample(0.0, 0.0),)),  # no router answered: nothing could wake it again
+])
+def test_any_activity_or_unknown_restarts_the_idle_period(busy):
+    scaler = Autoscaler(ZERO)
+    for t in range(0, 290, 10):
+        scaler.decide(float(t), 1, routed(0.0))
+    assert scaler.decide(290.0, 1, busy).desired >= 1
+    for t in range(300, 600, 10):  # a fresh full period from the first idle tick after it
+        assert scaler.decide(float(t), 1, routed(0.0)).desired == 1, t
+    assert scaler.decide(600.0, 1, routed(0.0)).desired == 0
+
+
+def test_held_requests_wake_from_zero_at_once():
+    scaler = Autoscaler(ZERO)
+    d = scaler.decide(0.0, 0, Observation(routers=IDLE_ROUTERS))
+    assert (d.desired, d.reason) == (0, "ScaledToZero") and not d.scaled
+    d = scaler.decide(1.0, 0, Observation(routers=(RouterSample(held=3.0), RouterSample(held=0.0))))
+    assert (d.desired, d.reason, d.held) == (1, "Activate", 3.0)  # no delay, no window to fill
+
+
+def test_at_zero_an_unanswering_router_keeps_it_at_zero_and_says_so():
+    d = Autoscaler(ZERO).decide(0.0, 0, Observation(routers=(RouterSample(held=0.0),), routers_failed=1))
+    assert (d.desired, d.reason, d.metrics_known) == (0, "RouterMetricsUnknown", False)
+
+
+def test_a_woken_replica_is_kept_for_a_full_idle_period_again():
+    scaler = Autoscaler(ZERO)
+    scaler.decide(0.0, 0, Observation(routers=(RouterSample(held=1.0),)))
+    # Loading: the daemon is not Ready yet, the router still holds the request.
+    assert scaler.decide(10.0, 1, Observation(not_ready=1, routers=(RouterSample(held=1.0),))).desired == 1
+    for t in range(20, 320, 10):
+        assert scaler.decide(float(t), 1, routed(0.0)).desired == 1, t
+    assert scaler.decide(320.0, 1, routed(0.0)).desired == 0
+
+
+def test_scale_to_zero_only_with_min_replicas_zero_and_zero_delay_works():
+    p = Policy(min_replicas=1, max_replicas=4, scale_to_zero_after=0, scale_down_delay=0)
+    assert Autoscaler(p).decide(0.0, 1, routed(0.0)).desired == 1
+    quick = Policy(min_replicas=0, max_replicas=4, scale_to_zero_after=0)
+    assert Autoscaler(quick).decide(0.0, 1, routed(0.0)).desired == 0
+
+
+def test_with_min_replicas_above_zero_routers_at_zero_bring_back_the_minimum():
+    p = Policy(min_replicas=2, max_replicas=4)
+    d = Autoscaler(p).decide(0.0, 0, Observation(routers=IDLE_ROUTERS))
+    assert (d.desired, d.reason) == (2, "AtMinimum")
+
+
+def test_scale_to_zero_policy_from_spec():
+    from kvpilot.operator import crd
+    a = crd.default_spec({"model": {"uri": "hf://o/m"}, "autoscaling": {"minReplicas": 0},
+                          "router": {"enabled": True}})["autoscaling"]
+    p = Policy.from_spec(a)
+    assert (p.min_replicas, p.scale_to_zero_after) == (0, 300.0)

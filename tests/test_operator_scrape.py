@@ -7,9 +7,19 @@ import asyncio
 import aiohttp
 import aiohttp.web
 import pytest
-from operator_support.harness import MetricsServer
 
-from kvpilot.operator.scrape import DEFAULT_NAMES, ScrapeError, Target, parse_metrics, scrape, split_pods
+from kvpilot.operator.autoscaler import RouterSample
+from kvpilot.operator.scrape import (
+    DEFAULT_NAMES,
+    ScrapeError,
+    Target,
+    parse_metrics,
+    parse_router_metrics,
+    scrape,
+    scrape_routers,
+    split_pods,
+)
+from operator_support.harness import MetricsServer
 
 PAGE = """# TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{model_name="m"} 0.42
@@ -90,3 +100,48 @@ async def test_scrape_concurrently_with_failures_and_timeouts():
     assert set(result.errors) == {"broken", "slow", "closed"}
     assert "HTTP 500" in result.errors["broken"]
 
+
+
+def router_page(held: int = 0, inflight: dict[str, int] | None = None) -> str:
+    """The router's own /metrics page (router/metrics.py), so that a rename there fails here."""
+    from kvpilot.router.metrics import RouterMetrics
+    m = RouterMetrics()
+    m.held.set(held)
+    for endpoint, n in (inflight or {}).items():
+        m.set_inflight(endpoint, n)
+    return m.render().decode()
+
+
+def test_parse_the_routers_own_page():
+    assert parse_router_metrics(router_page()) == RouterSample(held=0.0, inflight=0.0)
+    assert parse_router_metrics(router_page(3, {"pod-a": 2, "pod-b": 1})) == RouterSample(held=3.0, inflight=3.0)
+
+
+def test_a_router_page_without_the_held_gauge_is_an_error():
+    with pytest.raises(ScrapeError, match="kvpilot:router_held_requests"):
+        parse_router_metrics(PAGE)
+
+
+async def test_scrape_routers_over_http():
+    page = router_page(2)
+
+    async def handler(_request):
+        return aiohttp.web.Response(text=page, content_type="text/plain")
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.3", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port the OS picked
+    try:
+        async with aiohttp.ClientSession() as session:
+            samples, errors = await scrape_routers(session, [
+                Target("router-a", f"http://127.0.0.3:{port}/metrics"),
+                Target("router-b", f"http://127.0.0.3:{port}/nothing"),
+            ], timeout=2.0)
+    finally:
+        await runner.cleanup()
+    assert samples == (RouterSample(held=2.0, inflight=0.0),)
+    assert list(errors) == ["router-b"] and "404" in errors["router-b"]

@@ -79,3 +79,66 @@ def test_transition_time_moves_only_when_the_status_changes():
     assert get_condition(again, "Ready")["lastTransitionTime"] == T0
     lost = status_patch(meta=META, spec=spec(False), old=again, deployment=deployment(1, 0), now=T1)
     assert get_condition(lost, "Ready")["lastTransitionTime"] == T1
+
+
+def routed_spec(router: dict) -> dict:
+    return crd.default_spec({"model": {"uri": "hf://o/m"}, "router": router})
+
+
+def test_builtin_router_status_and_condition():
+    router = deployment(2, 1)
+    st = status_patch(meta=META, spec=routed_spec({"enabled": True}), old=None, deployment=deployment(1, 1),
+                      now=T0, desired=1, reconciled=True, router=router)
+    assert st["router"] == {"mode": "builtin", "replicas": 2, "readyReplicas": 1}
+    cond = get_condition(st, "RouterReady")
+    assert (cond["status"], cond["reason"], cond["message"]) == ("True", "RouterAvailable", "1/2 router pods ready")
+    assert [c["type"] for c in st["conditions"]][-1] == "RouterReady"
+    down = status_patch(meta=META, spec=routed_spec({"enabled": True}), old=st, deployment=deployment(1, 1),
+                        now=T1, router=deployment(2, 0))
+    assert get_condition(down, "RouterReady")["reason"] == "RouterUnavailable"
+
+
+def test_a_tick_reports_the_held_requests():
+    from kvpilot.operator.autoscaler import RouterSample
+    d = Autoscaler(Policy(min_replicas=0)).decide(0.0, 0, Observation(routers=(RouterSample(held=4.0),)))
+    st = status_patch(meta=META, spec=routed_spec({"enabled": True}), old=None, deployment=deployment(0, 0),
+                      now=T0, decision=d, router=deployment(2, 2))
+    assert st["router"]["heldRequests"] == 4.0 and st["router"]["readyReplicas"] == 2
+
+
+def test_without_the_router_deployment_a_tick_keeps_the_router_status():
+    st = status_patch(meta=META, spec=routed_spec({"enabled": True}), old={"router": {"mode": "builtin"}},
+                      deployment=deployment(1, 1), now=T0)
+    assert "router" not in st and get_condition(st, "RouterReady") is None
+
+
+def test_turning_the_router_off_removes_its_status_and_condition():
+    old = status_patch(meta=META, spec=routed_spec({"enabled": True}), old=None, deployment=deployment(1, 1),
+                       now=T0, reconciled=True, router=deployment(2, 2))
+    st = status_patch(meta=META, spec=routed_spec({"enabled": False}), old=old, deployment=deployment(1, 1),
+                      now=T1, reconciled=True)
+    assert st["router"] is None  # null deletes it in the merge patch
+    assert get_condition(st, "RouterReady") is None
+
+
+POOL = {"enabled": True, "mode": "inferencePool", "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
+
+
+def test_inference_pool_status_and_a_missing_crd_condition():
+    ok = status_patch(meta=META, spec=routed_spec(POOL), old=None, deployment=deployment(1, 1), now=T0,
+                      reconciled=True)
+    assert ok["router"] == {"mode": "inferencePool", "inferencePool": "llm", "replicas": 0, "readyReplicas": 0}
+    assert get_condition(ok, "RouterReady")["reason"] == "InferencePoolApplied"
+    missing = status_patch(meta=META, spec=routed_spec(POOL), old=ok, deployment=deployment(1, 1), now=T1,
+                           reconciled=True, routing_error=("InferencePoolCRDMissing", "not installed"))
+    cond = get_condition(missing, "RouterReady")
+    assert (cond["status"], cond["reason"], cond["message"]) == ("False", "InferencePoolCRDMissing", "not installed")
+    tick = status_patch(meta=META, spec=routed_spec(POOL), old=missing, deployment=deployment(1, 1), now=T1)
+    assert "router" not in tick and get_condition(tick, "RouterReady")["reason"] == "InferencePoolCRDMissing"
+
+
+def test_switching_modes_drops_the_other_modes_fields():
+    old = {"router": {"mode": "builtin", "replicas": 2, "readyReplicas": 2, "heldRequests": 0}}
+    st = status_patch(meta=META, spec=routed_spec(POOL), old=old, deployment=deployment(1, 1), now=T0,
+                      reconciled=True)
+    assert st["router"]["heldRequests"] is None and st["router"]["inferencePool"] == "llm"

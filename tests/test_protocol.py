@@ -83,9 +83,13 @@ def test_stream_options():
     ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"),
     ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens", "invalid_value"),
     ({"prompt": "x", "best_of": 1, "n": 2}, "best_of", "invalid_value"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "unsupported_parameter"),
     ({"prompt": "x", "suffix": "y"}, "suffix", "unsupported_parameter"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias", "unsupported_parameter"),
+    ({"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias", "invalid_value"),
+    ({"prompt": "x", "logit_bias": {"-1": 5}}, "logit_bias", "invalid_value"),
+    ({"prompt": "x", "logit_bias": {"1": 100.5}}, "logit_bias", "invalid_value"),
+    ({"prompt": "x", "logit_bias": {"1": "5"}}, "logit_bias", "invalid_type"),
+    ({"prompt": "x", "logit_bias": [1]}, "logit_bias", "invalid_type"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "integer_above_max_value"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage", "invalid_type"),
@@ -121,6 +125,16 @@ def test_chat_errors_name_the_field(body, param):
     with pytest.raises(APIError) as ei:
         parse_chat_request(body)
     assert ei.value.status == 400 and ei.value.param == param
+
+
+def test_logit_bias_echo_and_prompt_logprobs_map_to_sampling_params():
+    req = parse_completion_request({"prompt": "x", "logit_bias": {"5": -100, " 7": 2.5, "9": 100}})
+    assert req.params.logit_bias == {5: -100.0, 7: 2.5, 9: 100.0} and req.params.prompt_logprobs is None
+    req = parse_completion_request({"prompt": "x", "echo": True, "logprobs": 3})
+    assert req.echo and req.params.logprobs == 3 and req.params.prompt_logprobs == 3  # echo scores the prompt
+    assert parse_completion_request({"prompt": "x", "echo": True}).params.prompt_logprobs is None
+    chat = parse_chat_request({"messages": MSGS, "prompt_logprobs": 0, "logit_bias": {}})
+    assert chat.params.prompt_logprobs == 0 and chat.params.logit_bias is None
 
 
 @pytest.mark.parametrize("raw", [b"", b"   ", b"{", b"[1,2]", b'"s"', b'{"a": NaN}', b"\xff\xfe"])

@@ -1,6 +1,8 @@
 """RBAC derived from use: the operator runs against the emulator, which records every API call it makes (and
 the finalizers check of OwnerReferencesPermissionEnforcement); each call must be allowed by the rules
-`helm template` renders for that mode, and every rule the chart grants must be used by some call."""
+`helm template` renders for that mode, and every rule the chart grants must be used by some call. The
+operator runs with the scope and peering arguments of the rendered Deployment, next to the peering objects
+the chart renders, so kopf's peering (the chart's default) is exercised like the rest."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import subprocess
 
 import pytest
 import yaml
+
 from operator_support.calls import ApiCall
 from operator_support.harness import CR_PATH, MetricsServer, cluster, eventually, operator
 from operator_support.rbac import Authorizer, Grant, used_by
@@ -22,13 +25,15 @@ LEGACY_FINALIZER = "kopf.zalando.org/KopfFinalizerMarker"
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow,
               pytest.mark.skipif(not HELM.exists(), reason="helm not installed: run `make install`")]
 
-# mode: (helm --set values, namespaces the operator watches (None: all), peering name). The operator runs
-# --standalone: kopf's peering never shuts down under KopfRunner with kmock (README.md), so the peering
-# grants are checked against kopf's documented needs instead (UNEXERCISED).
+# mode: (helm --set values, what the run uses besides the basics). Peering and the builtin router are on
+# unless the values turn them off; InferencePools (spec.router.mode inferencePool) are off unless turned on.
 MODES = {
-    "cluster-wide": ((), None, None),
-    "watch-namespaces": (("watchNamespaces={team-a,team-b}",), ["team-a", "team-b"], None),
+    "cluster-wide": ((), {"router"}),
+    "watch-namespaces": (("watchNamespaces={team-a,team-b}", "gatewayInferenceExtension.enabled=true"),
+                         {"router", "inferencePool"}),
+    "standalone": (("peering.enabled=false", "router.enabled=false"), set()),
 }
+PEERINGS = {"ClusterKopfPeering": "clusterkopfpeerings", "KopfPeering": "kopfpeerings"}
 
 
 def render(*sets: str) -> list[dict]:
@@ -49,18 +54,28 @@ def cr(ns: str, name: str, spec: dict, finalizers: list[str] | None = None) -> d
     return {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment", "metadata": meta, "spec": spec}
 
 
-async def add_peering(k, namespaces: list[str] | None, name: str) -> None:
-    # What the chart's templates/peering.yaml creates.
-    if namespaces is None:
-        await k.call("POST", "/apis/kopf.dev/v1/clusterkopfpeerings",
-                     {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}})
-    for ns in namespaces or ():
-        await k.call("POST", f"/apis/kopf.dev/v1/namespaces/{ns}/kopfpeerings",
-                     {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name}})
+def operator_args(docs: list[dict]) -> tuple[list[str] | None, str | None]:
+    """(namespaces (None: all), peering name (None: standalone)) from the rendered operator Deployment."""
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    namespaces = [a.removeprefix("--namespace=") for a in args if a.startswith("--namespace=")]
+    peering = next((a.removeprefix("--peering=") for a in args if a.startswith("--peering=")), None)
+    assert bool(namespaces) != ("--all-namespaces" in args), args
+    assert (peering is None) == ("--standalone" in args), args
+    return namespaces or None, peering
 
 
-async def exercise(k, ns: str, metrics: MetricsServer) -> None:
-    """Create, update, status, `kubectl scale`, autoscaling and delete of one InferenceDeployment."""
+async def add_peerings(k, docs: list[dict]) -> None:
+    """Create the peering objects the chart renders (templates/peering.yaml), as `helm install` would."""
+    for doc in (d for d in docs if d["kind"] in PEERINGS):
+        ns = doc["metadata"].get("namespace")
+        where = f"namespaces/{ns}/" if ns else ""
+        await k.call("POST", f"/apis/kopf.dev/v1/{where}{PEERINGS[doc['kind']]}", doc)
+
+
+async def exercise(k, ns: str, metrics: MetricsServer, features: set[str]) -> None:
+    """Create, update, status, `kubectl scale`, autoscaling, the router's modes on and off (those in
+    features) and delete of one InferenceDeployment."""
     path = f"{CR_PATH.format(ns=ns)}/llm"
     await k.create_cr(ns, cr(ns, "llm", {"model": {"uri": "hf://org/m"}, "replicas": 2}))
     await eventually(lambda: k.deployment(ns, "llm"), what="Deployment")
@@ -91,6 +106,27 @@ async def exercise(k, ns: str, metrics: MetricsServer) -> None:
         "stableWindowSeconds": 5, "panicWindowSeconds": 2, "metricsIntervalSeconds": 1}}})
     await eventually(lambda: replicas(3), what="autoscaled up")
 
+    if "router" in features:
+        await k.patch_cr(ns, "llm", {"spec": {"router": {"enabled": True}}})
+        await eventually(lambda: k.deployment(ns, "llm-router"), what="the router's Deployment")
+        await k.patch_cr(ns, "llm", {"spec": {"router": {"enabled": False}}})
+        # The operator removes the router's objects in order, its ServiceAccount last.
+        await eventually(lambda: _gone(k, f"/api/v1/namespaces/{ns}/serviceaccounts/llm-router"),
+                         what="the router removed")
+    if "inferencePool" in features:
+        picker = {"name": "epp", "port": {"number": 9002}}
+        await k.patch_cr(ns, "llm", {"spec": {"router": {"enabled": True, "mode": "inferencePool",
+                                                         "endpointPickerRef": picker}}})
+
+        async def pool_reported():
+            obj = await k.cr(ns, "llm")
+            return ((obj or {}).get("status") or {}).get("router", {}).get("mode") == "inferencePool"
+        await eventually(pool_reported, what="the InferencePool in the status")
+        assert await k.get(f"/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/llm")
+        await k.patch_cr(ns, "llm", {"spec": {"router": {"enabled": False}}})
+        await eventually(lambda: _gone(k, f"/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/llm"),
+                         what="the InferencePool removed")
+
     await k.delete_cr(ns, "llm")
     await eventually(lambda: _gone(k, path), what="InferenceDeployment deleted")
 
@@ -99,39 +135,34 @@ async def _gone(k, path: str) -> bool:
     return await k.get(path) is None
 
 
-async def operator_calls(monkeypatch, tmp_path, namespaces: list[str] | None, peering: str | None) -> list[ApiCall]:
+async def operator_calls(monkeypatch, tmp_path, docs: list[dict], features: set[str]) -> list[ApiCall]:
+    namespaces, peering = operator_args(docs)
     ns = namespaces[0] if namespaces else "ml"
     async with cluster(tmp_path) as k, MetricsServer("127.0.0.2") as m:
-        if peering:
-            await add_peering(k, namespaces, peering)
+        await add_peerings(k, docs)
         # Left over from the kopf daemon era: the operator removes this finalizer at startup.
         await k.create_cr(ns, cr(ns, "old", {"model": {"uri": "hf://org/m"}}, [LEGACY_FINALIZER]))
         with operator(monkeypatch, tmp_path, k.url, namespaces=namespaces, peering=peering):
-            await exercise(k, ns, m)
+            await exercise(k, ns, m, features)
         return [c for c in k.calls if c.user]  # the operator's calls carry its token; the test's carry none
-
-
-# Grants no run exercises, each with the reason it is still needed.
-PEERING = "kopf's peering (on by default in the chart): kopf reads, lists, watches and patches the peering object"
-UNEXERCISED = {
-    **{("kopf.dev", "clusterkopfpeerings", verb): PEERING for verb in ("get", "list", "watch", "patch")},
-    **{("kopf.dev", "kopfpeerings", verb): PEERING for verb in ("get", "list", "watch", "patch")},
-}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 async def test_rbac_allows_every_call_and_grants_nothing_unused(mode, monkeypatch, tmp_path):
-    sets, namespaces, peering = MODES[mode]
-    calls = await operator_calls(monkeypatch, tmp_path, namespaces, peering)
+    sets, features = MODES[mode]
+    docs = render(*sets)
+    calls = await operator_calls(monkeypatch, tmp_path, docs, features)
     kinds = {(c.verb, c.full_resource) for c in calls}
     # The run did what it was meant to: otherwise an empty record would pass.
     assert {("create", "deployments"), ("patch", "inferencedeployments/status"), ("create", "events"),
             ("update", "inferencedeployments/finalizers")} <= kinds, kinds
-    auth = authorizer(render(*sets))
+    peerings = {c.resource for c in calls if c.group == "kopf.dev" and c.verb == "patch"}
+    assert peerings == {PEERINGS[d["kind"]] for d in docs if d["kind"] in PEERINGS}, peerings
+    auth = authorizer(docs)
     denied = sorted({str(c) for c in calls if not auth.allows(c)})
     assert denied == [], "the chart's RBAC does not allow:\n" + "\n".join(denied)
-    unused = {(g.group, g.resource, g.verb) for g in auth.grants() if not used_by(g, calls)}
-    assert unused <= set(UNEXERCISED), f"granted but never used: {sorted(unused - set(UNEXERCISED))}"
+    unused = sorted((g.group, g.resource, g.verb) for g in auth.grants() if not used_by(g, calls))
+    assert unused == [], f"granted but never used: {unused}"
 
 
 @pytest.mark.parametrize("mode", list(MODES))

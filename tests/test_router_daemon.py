@@ -9,11 +9,11 @@ import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.daemon_process import DaemonProcess
 
 from kvpilot.router.prompt import load_tokenizer
 from kvpilot.router.server import RouterSettings
 from kvpilot.router.testing import RouterServer
+from support.daemon_process import DaemonProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -13,6 +15,9 @@ import yaml
 
 from kvpilot.router.endpoints import EndpointSet, SliceWatcher
 from kvpilot.router.kube import KubeClient
+from kvpilot.router.prompt import ByteTokenizer
+from kvpilot.router.server import ENDPOINTS_KEY, RouterSettings
+from kvpilot.router.testing import FakeReplica, RouterServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +39,9 @@ async def until(check, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_ready_addresses_of_the_service_are_watched(tmp_path, monkeypatch):
+@contextlib.asynccontextmanager
+async def api(tmp_path, monkeypatch) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    """kmock serving EndpointSlices, and a kubeconfig pointing at it."""
     emulator = kmock.KubernetesEmulator()
     emulator.resources["discovery.k8s.io/v1/endpointslices"] = dict(
         kind="EndpointSlice", singular="endpointslice", namespaced=True,
@@ -48,10 +55,19 @@ async def test_ready_addresses_of_the_service_are_watched(tmp_path, monkeypatch)
         (tmp_path / "kubeconfig").write_text(yaml.safe_dump(cfg))
         monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield url, http
+
+
+async def post_slice(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
+    async with http.post(url + SLICES.format(ns="ns1"), json=body) as r:
+        assert r.status < 400, await r.text()
+
+
+async def test_ready_addresses_of_the_service_are_watched(tmp_path, monkeypatch):
+    async with api(tmp_path, monkeypatch) as (url, http):
 
         async def post(body: dict[str, Any]) -> None:
-            async with http.post(url + SLICES.format(ns="ns1"), json=body) as r:
-                assert r.status < 400, await r.text()
+            await post_slice(http, url, body)
 
         await post(endpoint_slice("llm-a", "llm", [("p1", "10.0.0.1", True), ("p2", "10.0.0.2", False)]))
         await post(endpoint_slice("other-a", "other", [("q1", "10.9.0.1", True)]))
@@ -76,3 +92,23 @@ async def test_ready_addresses_of_the_service_are_watched(tmp_path, monkeypatch)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await kube.close()
+
+
+async def test_router_with_service_discovery_serves_the_sliced_replica(tmp_path, monkeypatch):
+    rep = await FakeReplica(host="127.0.0.6", name="sliced").start()
+    async with api(tmp_path, monkeypatch) as (url, http):
+        body = endpoint_slice("llm-a", "llm", [("pod-x", "127.0.0.6", True)])
+        body["ports"] = [{"name": "http", "port": rep.port, "protocol": "TCP"}]
+        await post_slice(http, url, body)
+        rs = await RouterServer(RouterSettings(service="llm", namespace="ns1", port_name="http"),
+                                tokenizer=ByteTokenizer()).start()
+        try:
+            assert rs.app is not None
+            eps = rs.app[ENDPOINTS_KEY]
+            await until(lambda: len(eps) == 1)
+            async with http.post(rs.url + "/v1/completions", json={"model": "m", "prompt": "hi"}) as r:
+                assert r.status == 200 and r.headers["X-Kvpilot-Endpoint"] == "pod-x"
+                assert (await r.json())["choices"][0]["text"] == "hi from sliced"
+        finally:
+            await rs.stop()
+            await rep.stop()

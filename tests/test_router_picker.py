@@ -208,3 +208,19 @@ def test_slice_endpoints_ready_only_and_named_port():
     assert [e.url for e in slice_endpoints(s, None)] == ["http://10.0.0.1:9000", "http://10.0.0.4:9000"]
     assert slice_endpoints(s, "grpc") == []
     assert slice_endpoints({**s, "addressType": "FQDN"}, "http") == []
+
+
+def test_route_key_session_sources():
+    from kvpilot.router.endpoints import EndpointSet
+    from kvpilot.router.metrics import RouterMetrics
+    from kvpilot.router.state import RouterState
+
+    def state(source: str | None, session: bool = True) -> RouterState:
+        return RouterState(EndpointSet(), Picker(PickerConfig(session=session)), PromptHasher(ByteTokenizer()),
+                           RouterMetrics(), session_source=source)
+
+    body = {"messages": [{"role": "user", "content": "hi " * 20}], "user": "alice"}
+    assert state("user").route_key("/v1/chat/completions", body, {}).session == "alice"
+    key = state("header:X-Chat").route_key("/v1/chat/completions", body, {"X-Chat": "c-9"})
+    assert key.session == "c-9" and key.hashes and key.prompt_tokens > 16
+    assert state("user", session=False).route_key("/v1/chat/completions", body, {}).session is None

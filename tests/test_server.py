@@ -117,7 +117,13 @@ CORPUS = [
     ("POST", "/v1/completions", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, J),
     ("POST", "/v1/completions", {"prompt": "x", "model": "no-such-model"}, J),
     ("POST", "/v1/completions", {"prompt": "x", "model": ["smollm2"]}, J),
-    ("POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2}, J),
+    ("POST", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, J),
+    ("POST", "/v1/completions", {"prompt": "x", "logit_bias": {"1": 500}}, J),
+    ("POST", "/v1/completions", b'{"prompt": "\\ud800"}', J),
+    ("POST", "/v1/completions", b'{"prompt": "\xed\xa0\x80"}', J),
+    ("POST", "/v1/completions", b'{"prompt": "x"}', "text/plain"),
+    ("POST", "/tokenize", {"prompt": 5}, J),
+    ("POST", "/detokenize", {"tokens": [-1]}, J),
     ("POST", "/v1/chat/completions", {}, J),
     ("POST", "/v1/chat/completions", {"messages": []}, J),
     ("POST", "/v1/chat/completions", {"messages": "hello"}, J),
@@ -150,7 +156,7 @@ async def test_malformed_corpus_gets_4xx_error_bodies(daemon, client):
                 assert set(err) == {"message", "type", "param", "code"}, text
                 assert isinstance(err["message"], str) and err["message"]
         big = b'{"prompt": "' + b"a" * (33 * 1024 * 1024) + b'"}'
-        async with s.post(daemon.url("/v1/completions"), data=big, headers=headers) as r:
+        async with s.post(daemon.url("/v1/completions"), data=big, headers={**headers, "Content-Type": J}) as r:
             assert r.status == 413 and "error" in await r.json()
     assert daemon.get("/health")[0] == 200 and daemon.get("/ready")[0] == 200
     r = client.completions.create(model=NAME, prompt="Still alive?", max_tokens=3)

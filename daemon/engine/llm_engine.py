@@ -42,6 +42,16 @@ class EngineStats:
     kv_cache_waste: float
 
 
+def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
+    """For a sequence scoring its prompt: the prompt token after each position of this chunk that
+    has one (position p predicts prompt[p + 1]); None when there is nothing to score."""
+    if seq.prompt_logprobs is None:
+        return None
+    prompt = seq.prompt_token_ids
+    end = min(start + num_tokens, len(prompt) - 1)
+    return prompt[start + 1 : end + 1] if end > start else None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         self.config = config or EngineConfig(**kwargs)
@@ -96,6 +106,10 @@ class LLMEngine:
             raise ValueError("cache_salt must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            # a cached prefix has no logits to score: a salt of its own keeps this prompt out of the
+            # prefix cache, as vLLM does for prompt_logprobs requests
+            cache_salt = f"{cache_salt or ''}#prompt-logprobs#{request_id}#{time.monotonic_ns()}"
         processed = self.input_processor.process_prompt(prompt)
         prompt_text, token_ids = processed.text, processed.token_ids
         self.input_processor.check_params(params)
@@ -118,6 +132,8 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         request.seqs.append(self._init_sequence(request, seq, 0))
+        if params.prompt_logprobs is not None:  # the parent scores the prompt; forks share it
+            seq.prompt_logprobs = [None] * len(token_ids)
         self.scheduler.add_sequence(seq)
         self.requests[request_id] = request
         self.prompt_tokens_total += len(token_ids)
@@ -160,10 +176,13 @@ class LLMEngine:
                 start_pos=e.start_pos,
                 block_table=e.block_table,
                 compute_logits=e.completes_sequence,
+                prompt_targets=_prompt_targets(e.seq, e.start_pos, e.num_new_tokens),
+                prompt_top_k=e.seq.sampling_params.prompt_logprobs or 0,
             )
             for e in out.scheduled
         ]
         logits = self.runner.execute(entries)
+        self._store_prompt_logprobs(out, entries)
         self.scheduler.update_after_step(out)
         touched = self._sample(out, logits, time.monotonic())
         return [self._make_output(r) for r in touched.values()]
@@ -205,6 +224,22 @@ class LLMEngine:
             self._append_token(request, seq, result, now)
             touched[request.request_id] = request
         return touched
+
+    def _store_prompt_logprobs(self, out: SchedulerOutput, entries: list[SeqBatchEntry]) -> None:
+        """The runner's prompt scores, by prompt position: a recomputed chunk (after a preemption)
+        overwrites the same positions with the same values."""
+        decode = self.tokenizer.decode
+        for i, scored in self.runner.last_prompt_logprobs.items():
+            e, targets = out.scheduled[i], entries[i].prompt_targets or []
+            plp = e.seq.prompt_logprobs
+            if plp is None:
+                continue
+            for j, tid in enumerate(targets):
+                entry = {t: Logprob(logprob=lp, rank=r, decoded_token=decode([t]))
+                         for r, (t, lp) in enumerate(scored.top[j], start=1)}
+                if tid not in entry:
+                    entry[tid] = Logprob(logprob=scored.logprobs[j], rank=scored.ranks[j], decoded_token=decode([tid]))
+                plp[e.start_pos + j + 1] = entry
 
     def _apply_block_moves(self, out: SchedulerOutput) -> None:
         if out.blocks_to_swap_out:
@@ -312,6 +347,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
             metrics=request.metrics,
+            prompt_logprobs=request.seqs[0].prompt_logprobs,
         )
 
     # ----------------------------------------------------------------- stats

@@ -46,3 +46,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # params.prompt_logprobs set: one entry per prompt token (None for the first, which nothing predicts)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

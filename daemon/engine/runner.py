@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,12 +36,29 @@ class SeqBatchEntry:
     start_pos: int  # absolute position of token_ids[0] (== tokens of this seq already in the KV cache)
     block_table: list[int]  # the sequence's KV block ids, covering at least start_pos + len(token_ids) slots
     compute_logits: bool  # True when the last token of this chunk needs sampling
+    # prompt logprobs: the prompt token that follows each of the chunk's first len(...) positions;
+    # the runner scores them (see ModelRunner.last_prompt_logprobs)
+    prompt_targets: list[int] | None = None
+    prompt_top_k: int = 0
+
+
+@dataclass
+class PromptLogprobs:
+    """Raw-logit log-probabilities of one entry's prompt targets (vLLM scores prompts before any
+    sampling processing), plus each position's top_k alternatives."""
+
+    logprobs: list[float]
+    ranks: list[int]  # 1-based rank of each target
+    top: list[list[tuple[int, float]]]
+
+
+_PROMPT_LOGPROB_ROWS = 256  # rows of full-vocabulary logits at a time: bounds the memory a long prompt needs
 
 
 def _cgroup_cpu_limit() -> int | None:
     """CPUs allowed by the cgroup v2 quota (a pod's CPU limit), rounded up; None when unlimited."""
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
         return None
     if quota == "max":
@@ -91,6 +109,7 @@ class ModelRunner:
         self.num_cpu_blocks = 0
         self._threads_set_for: int | None = None  # thread whose intra-op pool we sized
         self._graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, built by warmup()
+        self.last_prompt_logprobs: dict[int, PromptLogprobs] = {}  # of the latest execute()
         self._ensure_threads()
 
     def _ensure_threads(self) -> None:
@@ -292,11 +311,39 @@ class ModelRunner:
             hidden = self._graphs.run(input_ids, positions, meta)  # None: no bucket fits, run eagerly
         if hidden is None:
             hidden = self.model(input_ids, positions, meta)
+        self.last_prompt_logprobs = self._prompt_logprobs(entries, hidden)
         if rows.size == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         if rows.size != hidden.shape[0]:  # all-decode batches keep every row: no gather
             hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))
         return self.model.compute_logits(hidden)
+
+    def _prompt_logprobs(self, entries: list[SeqBatchEntry], hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
+        """Entry index -> its prompt targets' logprobs, for the entries that asked (prompt_targets)."""
+        out: dict[int, PromptLogprobs] = {}
+        offset = 0
+        for i, e in enumerate(entries):
+            if e.prompt_targets:
+                out[i] = self._score_rows(hidden, offset, e.prompt_targets, e.prompt_top_k)
+            offset += len(e.token_ids)
+        return out
+
+    def _score_rows(self, hidden: torch.Tensor, start: int, targets: list[int], k: int) -> PromptLogprobs:
+        res = PromptLogprobs([], [], [])
+        for a in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
+            tgt = torch.tensor(targets[a : a + _PROMPT_LOGPROB_ROWS], device=self.device)
+            logits = self.model.compute_logits(hidden[start + a : start + a + tgt.numel()]).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            chosen = logits.gather(1, tgt[:, None])
+            res.logprobs += (chosen.squeeze(1) - lse).tolist()
+            res.ranks += ((logits > chosen).sum(dim=-1) + 1).tolist()
+            if k > 0:
+                vals, ids = logits.topk(min(k, logits.shape[1]), dim=-1)
+                res.top += [list(zip(r_ids, r_vals, strict=True)) for r_ids, r_vals
+                            in zip(ids.tolist(), (vals - lse[:, None]).tolist(), strict=True)]
+            else:
+                res.top += [[] for _ in range(tgt.numel())]
+        return res
 
     def warmup(self) -> None:
         """One tiny forward through block 0 (its contents are scratch until the engine writes it)."""

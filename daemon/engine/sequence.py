@@ -66,6 +66,7 @@ class Sequence:
     text: TextStream | None = None
     generator: Any = None  # torch.Generator | None; typed loosely so this module needs no torch
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # by prompt position, when asked for
     cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:

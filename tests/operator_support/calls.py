@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -72,4 +72,38 @@ def owner_checks(call: ApiCall, body: Any, plural_of: Mapping[tuple[str, str], s
         plural = plural_of.get((group, ref["kind"]), ref["kind"].lower() + "s")
         out.append(ApiCall("update", group, version, plural, "finalizers", call.namespace, ref["name"],
                            "admission", call.path, call.user))
+    return out
+
+
+RBAC_GROUP = "rbac.authorization.k8s.io"
+RoleRules = Callable[[str | None, str, str], list[dict[str, Any]] | None]
+
+
+def escalation_checks(call: ApiCall, obj: dict[str, Any], role_rules: RoleRules) -> list[ApiCall]:
+    """What RBAC escalation prevention authorizes for a write of a Role or RoleBinding (as it is stored):
+    the writer must hold every permission the Role grants, or the referenced role grants (the `escalate`
+    and `bind` verbs, which skip this, are never granted by the chart). A binding to a role that does not
+    exist needs `bind` on it. role_rules(namespace, kind, name) gives a stored role's rules, or None."""
+    if call.group != RBAC_GROUP or call.subresource or call.verb not in ("create", "update", "patch"):
+        return []
+    if call.resource in ("roles", "clusterroles"):
+        rules = obj.get("rules") or []
+    elif call.resource in ("rolebindings", "clusterrolebindings"):
+        ref = obj.get("roleRef") or {}
+        rules = role_rules(call.namespace if ref.get("kind") == "Role" else None, ref.get("kind", ""),
+                          ref.get("name", ""))
+        if rules is None:
+            plural = "roles" if ref.get("kind") == "Role" else "clusterroles"
+            return [ApiCall("bind", RBAC_GROUP, "v1", plural, "", call.namespace, ref.get("name"),
+                            "escalation", call.path, call.user)]
+    else:
+        return []
+    out = []
+    for rule in rules:
+        for group in rule.get("apiGroups") or []:
+            for res in rule.get("resources") or []:
+                resource, _, sub = res.partition("/")
+                for verb in rule.get("verbs") or []:
+                    out += [ApiCall(verb, group, "", resource, sub, call.namespace, name, "escalation", call.path,
+                                    call.user) for name in rule.get("resourceNames") or [None]]
     return out

@@ -1,6 +1,7 @@
 """kmock's KubernetesEmulator made stricter, closer to what kube-apiserver does on writes.
 
-On top of kmock it records every API call, fills in server-owned metadata (uid, creationTimestamp,
+On top of kmock it records every API call (and what admission and RBAC escalation prevention authorize
+besides), fills in server-owned metadata (uid, creationTimestamp,
 resourceVersion, generation), answers 409 to stale resourceVersions, keeps status and spec apart where
 a resource has a status subresource, serves the scale subresource, speaks the patch types with their
 own semantics, prunes or rejects fields a CRD does not declare, applies CRD defaults, filters lists and
@@ -28,7 +29,7 @@ import yaml
 from kvpilot.operator import crd
 
 from . import crd_checks, selectors
-from .calls import ApiCall, owner_checks, parse_call
+from .calls import RBAC_GROUP, ApiCall, escalation_checks, owner_checks, parse_call
 
 SMP = "application/strategic-merge-patch+json"
 APPLY = "application/apply-patch+yaml"
@@ -237,7 +238,15 @@ class StrictEmulator(kmock.KubernetesEmulator):
             else:
                 new = self._updated(old, body, request, call, info)
             new = self._admit_custom(request, new, old)
+            self.calls += escalation_checks(call, new, self._role_rules)
             return await self._store(request, call.namespace, new, old)
+
+    def _role_rules(self, namespace: str | None, kind: str, name: str) -> list[dict[str, Any]] | None:
+        plural = {"Role": "roles", "ClusterRole": "clusterroles"}.get(kind)
+        for (resource, ns, n), value in self.objects.items():
+            if (resource.group, resource.plural, ns, n) == (RBAC_GROUP, plural, namespace, name) and not value.deleted:
+                return value.raw.get("rules") or []
+        return None
 
     def _created(self, body: dict[str, Any], call: ApiCall, info: dict[str, Any]) -> dict[str, Any]:
         obj = copy.deepcopy(body)

@@ -1,5 +1,6 @@
 """Test harness: a stricter kmock Kubernetes emulator (emulator.py) on 127.0.0.1, the operator in kopf's
-KopfRunner, and small aiohttp servers on 127.0.0.x that play the daemons' /metrics."""
+KopfRunner, and small aiohttp servers on 127.0.0.x that play the daemons' /metrics. The servers run on
+event loops of their own (background.py), so stopping the operator never blocks what it talks to."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kopf.testing import KopfRunner
 
 from kvpilot.operator import crd
 
+from .background import on_own_loop
 from .calls import ApiCall
 from .emulator import StrictEmulator
 
@@ -28,15 +30,24 @@ ALL_VERBS = ["list", "watch", "get", "patch", "update", "create", "delete"]
 RESOURCES = {
     CR_KEY: dict(kind="InferenceDeployment", singular="inferencedeployment", namespaced=True, shortnames=["infd"],
                  verbs=ALL_VERBS, subresources=["status", "scale"]),
-    # A real Deployment has a status subresource too; it is left out (so the main resource still takes
-    # status) until tests play the controller through Cluster.set_deployment_status (README.md).
+    # As on a server, Deployment status is written only through /status (Cluster.set_deployment_status).
     "apps/v1/deployments": dict(kind="Deployment", singular="deployment", namespaced=True, verbs=ALL_VERBS,
-                                subresources=["scale"]),
+                                subresources=["status", "scale"]),
     "v1/services": dict(kind="Service", singular="service", namespaced=True, verbs=ALL_VERBS,
                         subresources=["status"]),
     "policy/v1/poddisruptionbudgets": dict(kind="PodDisruptionBudget", singular="poddisruptionbudget",
                                            namespaced=True, verbs=ALL_VERBS, subresources=["status"]),
     "v1/pods": dict(kind="Pod", singular="pod", namespaced=True, verbs=ALL_VERBS, subresources=["status"]),
+    # The router's children (spec.router, operator/routing.py) and what a router watches.
+    "v1/serviceaccounts": dict(kind="ServiceAccount", singular="serviceaccount", namespaced=True, verbs=ALL_VERBS),
+    "rbac.authorization.k8s.io/v1/roles": dict(kind="Role", singular="role", namespaced=True, verbs=ALL_VERBS),
+    "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", singular="rolebinding", namespaced=True,
+                                                      verbs=ALL_VERBS),
+    "discovery.k8s.io/v1/endpointslices": dict(kind="EndpointSlice", singular="endpointslice", namespaced=True,
+                                               verbs=ALL_VERBS),
+    # The Gateway API Inference Extension's CRD (spec.router.mode inferencePool); a test may take it away.
+    "inference.networking.k8s.io/v1/inferencepools": dict(kind="InferencePool", singular="inferencepool",
+                                                          namespaced=True, verbs=ALL_VERBS),
     # kopf waits for these to be discoverable (its "backbone"), even cluster-wide.
     "v1/namespaces": dict(kind="Namespace", singular="namespace", namespaced=False, verbs=["get", "list", "watch"]),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
@@ -66,8 +77,9 @@ class Cluster:
 
     @property
     def calls(self) -> list[ApiCall]:
-        """Every API call made so far, by anyone, as the authorizer sees it."""
-        return self.emulator.calls
+        """Every API call made so far, by anyone, as the authorizer sees it (a copy: the emulator's thread
+        keeps appending)."""
+        return list(self.emulator.calls)
 
     async def call(self, method: str, path: str, body: Any = None, content_type: str | None = None) -> Any:
         status, result = await self.try_call(method, path, body, content_type)
@@ -150,9 +162,18 @@ async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0,
 async def cluster(tmp_path: Any, validate: bool = False) -> AsyncIterator[Cluster]:
     """A stricter kmock (see emulator.py); validate=True also rejects CRs that fail the CRD's schema or CEL
     rules with 422, as a real server does."""
-    emulator = StrictEmulator(catalog=RESOURCES, schemas={CR_KEY: crd.version_schema()}, validate=validate)
-    async with emulator, kmock.Server(emulator) as server, aiohttp.ClientSession() as session:
-        yield Cluster(emulator, str(server.url), session)
+    def serve() -> contextlib.AbstractAsyncContextManager[tuple[StrictEmulator, str]]:
+        # Built on the emulator's own loop, where its locks and watch buses are used.
+        return _serve(StrictEmulator(catalog=RESOURCES, schemas={CR_KEY: crd.version_schema()}, validate=validate))
+
+    async with on_own_loop(serve, "kmock") as (emulator, url), aiohttp.ClientSession() as session:
+        yield Cluster(emulator, url, session)
+
+
+@contextlib.asynccontextmanager
+async def _serve(emulator: StrictEmulator) -> AsyncIterator[tuple[StrictEmulator, str]]:
+    async with emulator, kmock.Server(emulator) as server:
+        yield emulator, str(server.url)
 
 
 def write_kubeconfig(path: Any, url: str) -> str:
@@ -185,7 +206,8 @@ def operator(monkeypatch: Any, tmp_path: Any, url: str, metrics_port: int = 0,
 
 
 class MetricsServer:
-    """Plays one daemon's /metrics with values the test controls."""
+    """Plays one daemon's /metrics with values the test controls (plain attributes, read by the server's
+    own loop)."""
 
     def __init__(self, host: str) -> None:
         self.host = host
@@ -195,7 +217,7 @@ class MetricsServer:
         self.running = 0.0
         self.fail = False
         self.hits = 0
-        self._runner: aiohttp.web.AppRunner | None = None
+        self._stack = contextlib.AsyncExitStack()
 
     async def _metrics(self, _request: aiohttp.web.Request) -> aiohttp.web.Response:
         self.hits += 1
@@ -214,16 +236,22 @@ class MetricsServer:
         )
         return aiohttp.web.Response(text=text, content_type="text/plain")
 
-    async def __aenter__(self) -> MetricsServer:
+    @contextlib.asynccontextmanager
+    async def _serve(self) -> AsyncIterator[None]:
         app = aiohttp.web.Application()
         app.router.add_get("/metrics", self._metrics)
-        self._runner = aiohttp.web.AppRunner(app)
-        await self._runner.setup()
-        site = aiohttp.web.TCPSite(self._runner, self.host, 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        runner = aiohttp.web.AppRunner(app)
+        await runner.setup()
+        try:
+            await aiohttp.web.TCPSite(runner, self.host, 0).start()
+            self.port = runner.addresses[0][1]
+            yield
+        finally:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> MetricsServer:
+        await self._stack.enter_async_context(on_own_loop(self._serve, f"metrics-{self.host}"))
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
+        await self._stack.aclose()

@@ -1,0 +1,547 @@
+"""Issue 12's routing benchmark: a multi-tenant chat workload through the router vs plain round-robin.
+
+Three real `kvpilot serve` daemons on 127.0.0.2-4 (one thread each, few sequences, a KV cache too small to
+hold every tenant's system prompt, so that prefixes compete). The same seeded workload (N system prompts,
+conversations of several turns, Poisson conversation arrivals, think time between turns) runs
+1. through `python -m kvpilot.router` (prefix + load scoring on), then
+2. round-robin: a trivial client-side rotation over the three daemons (strict per-request round-robin;
+   the router with --no-prefix --no-load is least-in-flight, not round-robin, so it is not used here),
+with the daemons restarted between the modes so both start cold. Streamed with the official openai client
+(max_retries=0: the client must not hide a lost request).
+Measured: the engines' prefix-cache hit rate (vllm:prefix_cache_hits_total / queries_total deltas, summed
+over replicas), TTFT p50/p99, TPOT p50, output tokens/s, per-replica request counts (max / mean).
+Then two failure checks:
+- kill: one replica is SIGKILLed mid-load behind the router; every request is classified as completed,
+  clear error (an SSE error event or HTTP error), lost before streaming, or silently truncated;
+- scale from zero: the router discovers replicas from EndpointSlices served by the kmock Kubernetes
+  emulator (the operator path; a static --endpoints list cannot start empty); requests are sent while
+  the Service has no ready endpoint, then one daemon starts and its slice is posted.
+Usage: python bench/router_chat.py [--prompts 8 --prompt-tokens 400 --conversations 18 --turns 3 ...]
+Writes bench/results/router_chat.json and prints a markdown summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+from daemon_process import DaemonProcess  # noqa: E402 - the tests' helper, not a package
+
+RESULTS = ROOT / "bench" / "results"
+MODEL = "builtin://smollm2-135m"
+HOSTS = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "KVPILOT_NUM_THREADS": "1"}
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of each named series over its labels, from Prometheus text."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            with contextlib.suppress(ValueError):
+                out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'{label}="' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+CACHE_NAMES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+               "vllm:generation_tokens_total", "vllm:num_preemptions_total")
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        return await r.text()
+
+
+def start_daemons(args: argparse.Namespace, hosts: tuple[str, ...] = HOSTS) -> list[DaemonProcess]:
+    serve = [MODEL, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_cache_memory,
+             "--dtype", args.dtype, "--disable-log-requests"]
+    daemons = [DaemonProcess(*serve, env=ONE_THREAD, host=h) for h in hosts]
+    with ThreadPoolExecutor(len(daemons)) as pool:  # the three load their weights at the same time
+        list(pool.map(lambda d: d.start(timeout=300), daemons))
+    return daemons
+
+
+def stop_all(daemons: list[DaemonProcess]) -> None:
+    for d in daemons:
+        with contextlib.suppress(Exception):
+            d.stop(timeout=15)
+
+
+class RouterProcess:
+    """`python -m kvpilot.router` on loopback, port 0; the port comes from its `listening` log line."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.flags = list(flags)
+        self.env = {**os.environ, **(env or {})}
+        fd, name = tempfile.mkstemp(prefix="kvpilot-router-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> RouterProcess:
+        cmd = [sys.executable, "-m", "kvpilot.router", "--host", "127.0.0.1", "--port", "0", *self.flags]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         stdin=subprocess.DEVNULL, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while self.port is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line) if line.startswith("{") else {}
+                    if rec.get("msg") == "listening":
+                        self.port = int(rec["port"])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router did not listen in {timeout}s:\n{self.log_path.read_text()}")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# ---- workload -----------------------------------------------------------------------------------------
+
+
+def make_workload(args: argparse.Namespace, tokenizer: Any) -> dict[str, Any]:
+    """Seeded tenants and conversations: the same for every mode."""
+    rng = random.Random(args.seed)
+    vocab = len(tokenizer)
+
+    def text(n_tokens: int) -> str:
+        return tokenizer.decode([rng.randint(1000, vocab - 1) for _ in range(n_tokens)])
+
+    systems = [f"You are the assistant of tenant {i}. Policy follows. " + text(args.prompt_tokens)
+               for i in range(args.prompts)]
+    convs = []
+    t = 0.0
+    for c in range(args.conversations):
+        t += rng.expovariate(args.rate)  # Poisson conversation arrivals
+        convs.append({"start": t, "system": c % args.prompts,
+                      "users": [text(rng.randint(16, 32)) for _ in range(args.turns)],
+                      "outs": [rng.randint(args.min_out, args.max_out) for _ in range(args.turns)],
+                      "think": [rng.expovariate(1.0 / args.think) for _ in range(args.turns)]})
+    sys_tokens = [len(tokenizer.encode(s, add_special_tokens=False)) for s in systems]
+    return {"systems": systems, "convs": convs, "system_tokens": sys_tokens}
+
+
+async def one_turn(client: openai.AsyncOpenAI, messages: list[dict[str, str]], max_tokens: int,
+                   target: str | None) -> dict[str, Any]:
+    """One streamed chat request. Classified: completed, error_before_stream, error_in_stream, truncated."""
+    t0 = time.perf_counter()
+    rec: dict[str, Any] = {"target": target, "ttft": None, "tokens": 0, "content_chunks": 0, "text": ""}
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="smollm2-135m", messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    except openai.APIError as exc:  # no response head: nothing streamed
+        rec.update(outcome="error_before_stream", error=f"{type(exc).__name__}: {exc}"[:300],
+                   e2e=time.perf_counter() - t0)
+        return rec
+    rec["target"] = raw.headers.get("x-kvpilot-endpoint", target)
+    rec["route"] = raw.headers.get("x-kvpilot-route")
+    finished = False
+    try:
+        stream = await raw.parse()
+        async for chunk in stream:
+            if chunk.usage is not None:
+                rec["tokens"] = chunk.usage.completion_tokens
+                rec["prompt_tokens"] = chunk.usage.prompt_tokens
+            for ch in chunk.choices:
+                if ch.delta.content:
+                    if rec["ttft"] is None:
+                        rec["ttft"] = time.perf_counter() - t0
+                    rec["content_chunks"] += 1
+                    rec["text"] += ch.delta.content
+                if ch.finish_reason is not None:
+                    finished = True
+    except (openai.APIError, aiohttp.ClientError, OSError) as exc:  # the router's SSE error event lands here
+        rec.update(outcome="error_in_stream", error=f"{type(exc).__name__}: {exc}"[:300],
+                   e2e=time.perf_counter() - t0)
+        return rec
+    rec["e2e"] = time.perf_counter() - t0
+    rec["outcome"] = "completed" if finished else "truncated"  # truncated: ended with no finish and no error
+    return rec
+
+
+async def run_conversation(conv: dict[str, Any], systems: list[str], send, t_start: float,
+                           stop_at: float) -> list[dict[str, Any]]:
+    await asyncio.sleep(max(0.0, t_start + conv["start"] - time.perf_counter()))
+    messages = [{"role": "system", "content": systems[conv["system"]]}]
+    out = []
+    for turn, user in enumerate(conv["users"]):
+        if time.perf_counter() > stop_at:
+            break
+        messages.append({"role": "user", "content": user})
+        rec = await send(list(messages), conv["outs"][turn])
+        rec.update(turn=turn, tenant=conv["system"])
+        out.append(rec)
+        if rec["outcome"] != "completed":
+            break  # a conversation does not go on after a failed turn
+        messages.append({"role": "assistant", "content": rec["text"]})
+        await asyncio.sleep(conv["think"][turn])
+    return out
+
+
+def summarize(recs: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    done = [r for r in recs if r["outcome"] == "completed"]
+    ttft = [r["ttft"] for r in done if r["ttft"] is not None]
+    tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in done if r["ttft"] is not None and r["tokens"] > 1]
+    tokens = sum(r["tokens"] for r in done)
+    outcomes: dict[str, int] = {}
+    for r in recs:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    return {"requests": len(recs), "outcomes": outcomes, "wall_s": wall,
+            "ttft_s": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99), "mean": statistics.fmean(ttft) if ttft else None},
+            "tpot_s": {"p50": pct(tpot, 0.5), "p99": pct(tpot, 0.99)},
+            "e2e_s": {"p50": pct([r["e2e"] for r in done], 0.5)},
+            "output_tokens": tokens, "output_tokens_per_s": tokens / wall if wall else None,
+            "requests_per_s": len(done) / wall if wall else None}
+
+
+async def run_workload(work: dict[str, Any], send, limit_s: float) -> tuple[list[dict[str, Any]], float]:
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(run_conversation(c, work["systems"], send, t0, t0 + limit_s))
+             for c in work["convs"]]
+    done, pending = await asyncio.wait(tasks, timeout=limit_s + 60)  # bounded: a stuck request cannot hang us
+    for t in pending:
+        t.cancel()
+    recs = [r for t in done if not t.cancelled() and t.exception() is None for r in t.result()]
+    if pending:
+        recs.extend({"outcome": "unfinished_at_limit", "target": None} for _ in pending)
+    return recs, time.perf_counter() - t0
+
+
+def clients_for(urls: list[str]) -> list[openai.AsyncOpenAI]:
+    return [openai.AsyncOpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=600.0) for u in urls]
+
+
+async def mode(name: str, args: argparse.Namespace, work: dict[str, Any], http: aiohttp.ClientSession) -> dict:
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: starting 3 cold daemons", flush=True)
+    daemons = start_daemons(args)
+    router: RouterProcess | None = None
+    try:
+        urls = [d.base_url for d in daemons]
+        before = [metric_sums(await scrape(http, u), CACHE_NAMES) for u in urls]
+        if name == "router":
+            router = RouterProcess("--endpoints", ",".join(urls), "--tokenizer", MODEL, "--log-level", "warning")
+            router.start()
+            (client,) = clients_for([router.url])
+
+            async def send(messages, max_tokens):
+                return await one_turn(client, messages, max_tokens, None)
+        else:
+            clients = clients_for(urls)
+            counter = iter(range(10**9))
+
+            async def send(messages, max_tokens):
+                i = next(counter) % len(clients)  # strict per-request rotation
+                return await one_turn(clients[i], messages, max_tokens, HOSTS[i])
+
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: workload", flush=True)
+        recs, wall = await run_workload(work, send, args.mode_limit)
+        after = [metric_sums(await scrape(http, u), CACHE_NAMES) for u in urls]
+        res = summarize(recs, wall)
+        per = []
+        for d, b, a in zip(daemons, before, after, strict=True):
+            q = a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
+            h = a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
+            name_ = f"{d.host}:{d.port}"
+            per.append({"replica": name_, "requests": sum(1 for r in recs if r.get("target") in (name_, d.host)),
+                        "prefix_queries": q, "prefix_hits": h, "hit_rate": h / q if q else None,
+                        "prompt_tokens": a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"],
+                        "preemptions": a["vllm:num_preemptions_total"] - b["vllm:num_preemptions_total"]})
+        q, h = sum(p["prefix_queries"] for p in per), sum(p["prefix_hits"] for p in per)
+        counts = [p["requests"] for p in per]
+        mean = statistics.fmean(counts) if counts else 0
+        res.update(replicas=per, prefix_hit_rate=h / q if q else None,
+                   load_max_over_mean=max(counts) / mean if mean else None)
+        if router is not None:
+            rm = await scrape(http, router.url)
+            res["router_decisions"] = metric_by_label(rm, "kvpilot:router_decisions_total", "reason")
+        res["requests_detail"] = [{k: r.get(k) for k in ("tenant", "turn", "target", "route", "outcome", "ttft",
+                                                         "e2e", "tokens", "prompt_tokens", "error")} for r in recs]
+        return res
+    finally:
+        if router is not None:
+            router.stop()
+        stop_all(daemons)
+
+
+# ---- failure checks -----------------------------------------------------------------------------------
+
+
+async def kill_check(args: argparse.Namespace, work: dict[str, Any]) -> dict[str, Any]:
+    print(f"[{time.strftime('%H:%M:%S')}] kill: starting 3 daemons + router", flush=True)
+    daemons = start_daemons(args)
+    router = RouterProcess("--endpoints", ",".join(d.base_url for d in daemons), "--tokenizer", MODEL,
+                           "--log-level", "warning")
+    try:
+        router.start()
+        (client,) = clients_for([router.url])
+
+        async def send(messages, max_tokens):
+            return await one_turn(client, messages, max_tokens, None)
+
+        victim = daemons[0]
+        killed_at: dict[str, float] = {}
+
+        async def killer(t0: float) -> None:
+            await asyncio.sleep(args.kill_at)
+            victim.proc.kill()  # type: ignore[union-attr]  # SIGKILL: no drain, cut connections
+            killed_at["t"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        kt = asyncio.create_task(killer(t0))
+        recs, wall = await run_workload(work, send, args.mode_limit)
+        await kt
+        async with aiohttp.ClientSession() as http:
+            rm = await scrape(http, router.url)
+        vname = f"{victim.host}:{victim.port}"
+        on_victim = [r for r in recs if r.get("target") == vname]
+        outcomes: dict[str, int] = {}
+        for r in recs:
+            key = r["outcome"]
+            if key == "error_in_stream":  # did the client see any content before the error?
+                key += "_after_content" if r["content_chunks"] else "_before_content"
+            outcomes[key] = outcomes.get(key, 0) + 1
+        return {"killed": vname, "killed_at_s": killed_at.get("t"), "wall_s": wall, "requests": len(recs),
+                "outcomes": outcomes, "requests_on_victim": len(on_victim),
+                "lost_before_streaming": outcomes.get("error_before_stream", 0),
+                "silently_truncated": outcomes.get("truncated", 0),
+                "router_retries": metric_by_label(rm, "kvpilot:router_retries_total", "cause"),
+                "router_stream_errors": metric_sums(rm, ("kvpilot:router_stream_errors_total",))[
+                    "kvpilot:router_stream_errors_total"],
+                "errors": sorted({r["error"] for r in recs if r.get("error")})[:5]}
+    finally:
+        router.stop()
+        stop_all(daemons)
+
+
+async def scale_from_zero_check(args: argparse.Namespace, work: dict[str, Any]) -> dict[str, Any]:
+    """EndpointSlices from kmock; the Service starts with no ready endpoint, then one daemon comes up."""
+    import kmock
+    import yaml
+
+    print(f"[{time.strftime('%H:%M:%S')}] scale-from-zero: emulator + router with no replica", flush=True)
+    emulator = kmock.KubernetesEmulator()
+    emulator.resources["discovery.k8s.io/v1/endpointslices"] = dict(
+        kind="EndpointSlice", singular="endpointslice", namespaced=True,
+        verbs=["list", "watch", "get", "patch", "create", "delete"])
+    slices = "/apis/discovery.k8s.io/v1/namespaces/bench/endpointslices"
+    tmp = Path(tempfile.mkdtemp(prefix="kvpilot-bench-"))
+    async with emulator, kmock.Server(emulator) as server, aiohttp.ClientSession() as http:
+        api = str(server.url).rstrip("/")
+        cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "k",
+               "clusters": [{"name": "k", "cluster": {"server": api}}], "users": [{"name": "k", "user": {"token": "t"}}],
+               "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}]}
+        (tmp / "kubeconfig").write_text(yaml.safe_dump(cfg))
+        router = RouterProcess("--service", "llm", "--namespace", "bench", "--port-name", "http", "--tokenizer", MODEL,
+                               "--hold-timeout", "240", "--log-level", "warning",
+                               env={"KUBECONFIG": str(tmp / "kubeconfig"), "KUBERNETES_SERVICE_HOST": ""})
+        daemon = DaemonProcess(MODEL, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory",
+                               args.kv_cache_memory, "--dtype", args.dtype, "--disable-log-requests",
+                               env=ONE_THREAD, host="127.0.0.5")
+        try:
+            await asyncio.to_thread(router.start)
+            (client,) = clients_for([router.url])
+            conv = work["convs"]
+            n = args.zero_requests
+            t0 = time.perf_counter()
+            reqs = [asyncio.create_task(one_turn(client, [{"role": "system", "content": work["systems"][i % len(
+                work["systems"])]}, {"role": "user", "content": conv[i]["users"][0]}], 8, None)) for i in range(n)]
+            await asyncio.sleep(1.0)
+            async with http.get(router.url + "/metrics") as r:
+                held = metric_sums(await r.text(), ("kvpilot:router_held_requests",))["kvpilot:router_held_requests"]
+            await asyncio.to_thread(daemon.start, 300)  # the "pod" starts and turns ready
+            ready_at = time.perf_counter() - t0
+            body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+                    "metadata": {"name": "llm-a", "namespace": "bench",
+                                 "labels": {"kubernetes.io/service-name": "llm"}},
+                    "ports": [{"name": "http", "port": daemon.port, "protocol": "TCP"}],
+                    "endpoints": [{"addresses": [daemon.host], "conditions": {"ready": True},
+                                   "targetRef": {"kind": "Pod", "name": "llm-0", "namespace": "bench"}}]}
+            async with http.post(api + slices, json=body) as r:
+                assert r.status < 400, await r.text()
+            sliced_at = time.perf_counter() - t0
+            recs = await asyncio.wait_for(asyncio.gather(*reqs), 300)
+            outcomes: dict[str, int] = {}
+            for r in recs:
+                outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+            ttfts = sorted(r["ttft"] for r in recs if r["ttft"] is not None)
+            return {"requests": n, "held_while_empty": held, "replica_ready_s": ready_at,
+                    "slice_posted_s": sliced_at, "outcomes": outcomes,
+                    "lost": n - outcomes.get("completed", 0),
+                    "first_token_s": {"first": ttfts[0] if ttfts else None, "last": ttfts[-1] if ttfts else None},
+                    "first_token_after_slice_s": (ttfts[0] - sliced_at) if ttfts else None,
+                    "errors": sorted({r["error"] for r in recs if r.get("error")})[:3]}
+        finally:
+            router.stop()
+            daemon.stop(15)
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def markdown(res: dict[str, Any]) -> str:
+    r, b = res["router"], res["round_robin"]
+
+    def f(x: float | None, nd: int = 3) -> str:
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    lines = ["| | router (prefix+load) | round-robin | ratio |", "|---|---|---|---|",
+             f"| prefix-cache hit rate | {f(r['prefix_hit_rate'])} | {f(b['prefix_hit_rate'])} | "
+             f"{f(ratio(r['prefix_hit_rate'], b['prefix_hit_rate']), 2)}x |",
+             f"| TTFT p50 s | {f(r['ttft_s']['p50'])} | {f(b['ttft_s']['p50'])} | "
+             f"{f(ratio(b['ttft_s']['p50'], r['ttft_s']['p50']), 2)}x better |",
+             f"| TTFT p99 s | {f(r['ttft_s']['p99'])} | {f(b['ttft_s']['p99'])} | "
+             f"{f(ratio(b['ttft_s']['p99'], r['ttft_s']['p99']), 2)}x better |",
+             f"| TPOT p50 s | {f(r['tpot_s']['p50'])} | {f(b['tpot_s']['p50'])} | |",
+             f"| output tok/s | {f(r['output_tokens_per_s'], 2)} | {f(b['output_tokens_per_s'], 2)} | "
+             f"{f(ratio(r['output_tokens_per_s'], b['output_tokens_per_s']), 2)}x |",
+             f"| requests (outcomes) | {r['outcomes']} | {b['outcomes']} | |",
+             f"| per-replica requests | {[p['requests'] for p in r['replicas']]} | "
+             f"{[p['requests'] for p in b['replicas']]} | |",
+             f"| max/mean replica load | {f(r['load_max_over_mean'], 2)} | {f(b['load_max_over_mean'], 2)} | |"]
+    if "kill" in res:
+        k = res["kill"]
+        lines.append(f"\nkill one replica at {f(k.get('killed_at_s'), 1)} s: {k.get('outcomes')}; lost before "
+                     f"streaming {k.get('lost_before_streaming')}, silently truncated {k.get('silently_truncated')}")
+    if "scale_from_zero" in res:
+        z = res["scale_from_zero"]
+        lines.append(f"scale from zero: {z.get('outcomes')}, lost {z.get('lost')}; replica ready at "
+                     f"{f(z.get('replica_ready_s'), 1)} s, first token at {f((z.get('first_token_s') or {}).get('first'), 1)} s")
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from kvpilot.router.prompt import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    work = make_workload(args, tok)
+    res: dict[str, Any] = {
+        "benchmark": "router_chat", "model": MODEL,
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "load_average_at_start": list(os.getloadavg())},
+        "workload": {k: getattr(args, k) for k in ("prompts", "prompt_tokens", "conversations", "turns", "rate",
+                                                   "think", "min_out", "max_out", "seed")},
+        "system_prompt_tokens": work["system_tokens"],
+        "daemon_args": {"max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory,
+                        "dtype": args.dtype, "threads": 1},
+        "round_robin_is": "client-side strict per-request rotation over the three daemons",
+    }
+    async with aiohttp.ClientSession() as http:
+        for name in ("router", "round_robin"):
+            res[name] = await mode(name, args, work, http)
+            print(f"[{time.strftime('%H:%M:%S')}] {name}: hit {res[name]['prefix_hit_rate']} "
+                  f"ttft p50 {res[name]['ttft_s']['p50']} {res[name]['outcomes']}", flush=True)
+    if not args.skip_kill:
+        kwork = dict(work, convs=work["convs"][: args.kill_conversations])
+        res["kill"] = await kill_check(args, kwork)
+    if not args.skip_zero:
+        res["scale_from_zero"] = await scale_from_zero_check(args, work)
+    r, b = res["router"], res["round_robin"]
+    res["targets"] = {
+        "hit_rate_ratio": ratio(r["prefix_hit_rate"], b["prefix_hit_rate"]),
+        "hit_rate_ratio_ok": (ratio(r["prefix_hit_rate"], b["prefix_hit_rate"]) or 0) >= 2.0,
+        "ttft_p50_speedup": ratio(b["ttft_s"]["p50"], r["ttft_s"]["p50"]),
+        "ttft_p50_ok": (ratio(b["ttft_s"]["p50"], r["ttft_s"]["p50"]) or 0) >= 1.5,
+        "router_load_max_over_mean": r["load_max_over_mean"],
+        "load_ok": (r["load_max_over_mean"] or 99) <= 1.5,
+    }
+    res["machine"]["load_average_at_end"] = list(os.getloadavg())
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = ap.add_argument
+    a("--prompts", type=int, default=8, help="tenants (system prompts)")
+    a("--prompt-tokens", type=int, default=400, help="system prompt length (random tokens)")
+    a("--conversations", type=int, default=18)
+    a("--turns", type=int, default=3)
+    a("--rate", type=float, default=0.3, help="conversation arrivals per second (Poisson)")
+    a("--think", type=float, default=2.0, help="mean seconds between a reply and the next turn")
+    a("--min-out", type=int, default=8)
+    a("--max-out", type=int, default=16)
+    a("--seed", type=int, default=0)
+    a("--max-num-seqs", type=int, default=4)
+    a("--kv-cache-memory", default="64MiB")
+    a("--dtype", default="float32")
+    a("--mode-limit", type=float, default=240.0, help="no new turn starts after this many seconds")
+    a("--kill-conversations", type=int, default=12)
+    a("--kill-at", type=float, default=10.0, help="seconds into the kill run")
+    a("--zero-requests", type=int, default=4)
+    a("--skip-kill", action="store_true")
+    a("--skip-zero", action="store_true")
+    a("--out", default=str(RESULTS / "router_chat.json"))
+    args = ap.parse_args()
+    res = asyncio.run(main_async(args))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""Pure renderers of the routing children of an InferenceDeployment with spec.router.enabled.
+
+builtin mode: the router's Deployment, PDB, ServiceAccount, Role and RoleBinding, and a headless Service of
+the daemons whose EndpointSlices the router watches (the user-facing Service then selects the router pods).
+inferencePool mode: one InferencePool (Gateway API Inference Extension, v1) over the daemon pods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.operator import resources as r
+
+ROUTER_APP = r.ROUTER_APP
+ROUTER_PORT = 8000
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+INFERENCE_POOL_PLURAL = "inferencepools"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def daemons_service_name(name: str) -> str:
+    return f"{name}-daemons"
+
+
+router_selector_labels = r.router_selector_labels
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return {**router_selector_labels(name), r.INSTANCE_LABEL: name, r.MANAGED_BY_LABEL: r.MANAGER,
+            "app.kubernetes.io/component": "router"}
+
+
+def router_selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(router_selector_labels(name).items()))
+
+
+def matches_router(pod_labels: dict[str, str] | None, name: str) -> bool:
+    pod_labels = pod_labels or {}
+    return all(pod_labels.get(k) == v for k, v in router_selector_labels(name).items())
+
+
+def _metadata(meta: dict[str, Any], name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": meta["namespace"], "labels": labels,
+            "ownerReferences": [r.owner_reference(meta)]}
+
+
+def router_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+    args = [
+        "--host", "0.0.0.0",
+        "--port", str(ROUTER_PORT),
+        "--service", daemons_service_name(meta["name"]),
+        "--namespace", meta["namespace"],
+        "--port-name", "http",
+        "--block-size", str(spec["engine"]["blockSize"]),
+    ]
+    return args + list(spec["router"].get("extraArgs", []))
+
+
+def router_container(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    res = spec["router"]["resources"]
+    amounts = {"cpu": str(res["cpu"]), "memory": str(res["memory"])}
+
+    def http(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
+                "failureThreshold": failures}
+
+    return {
+        "name": "router",
+        "image": spec["router"].get("image") or spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": ["python", "-m", "kvpilot.router"],
+        "args": router_args(meta, spec),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": dict(amounts), "limits": dict(amounts)},
+        # /ready answers even with no daemon ready: scale-from-zero needs the router to take and hold requests.
+        "readinessProbe": http("/ready", 5, 2),
+        "livenessProbe": http("/health", 10, 6),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def router_pod_template(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
+    spread = {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                 "labelSelector": {"matchLabels": router_selector_labels(name)}}}
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": router_name(name),
+        "containers": [router_container(meta, spec)],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "terminationGracePeriodSeconds": 30,
+        "enableServiceLinks": False,
+        # Two routers on one node would fall together: spread them where the scheduler can.
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [spread]}},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+    if spec.get("imagePullSecrets"):
+        pod_spec["imagePullSecrets"] = spec["imagePullSecrets"]
+    annotations = {"kvpilot.io/metrics-path": "/metrics", "kvpilot.io/metrics-port": str(ROUTER_PORT)}
+    return {"metadata": {"labels": router_labels(name), "annotations": annotations}, "spec": pod_spec}
+
+
+def render_router_deployment(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(meta, router_name(name), router_labels(name)),
+        "spec": {
+            "replicas": spec["router"]["replicas"],
+            "selector": {"matchLabels": router_selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": router_pod_template(meta, spec),
+        },
+    }
+
+
+def render_router_pdb(meta: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(meta, router_name(name), router_labels(name)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": router_selector_labels(name)}},
+    }
+
+
+def render_daemons_service(meta: dict[str, Any]) -> dict[str, Any]:
+    """Headless: the router reads its EndpointSlices (ready addresses) and connects to the pods directly."""
+    name = meta["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(meta, daemons_service_name(name), r.labels(name)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": r.selector_labels(name),
+            "ports": [{"name": "http", "port": r.DAEMON_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_service_account(meta: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": _metadata(meta, router_name(name), router_labels(name))}
+
+
+# What the router's discovery calls (router/endpoints.py): list, then watch; get for single slices. The
+# operator holds exactly these itself, which is what the API server's escalation check asks of it.
+ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                 "verbs": ["get", "list", "watch"]}]
+
+
+def render_role(meta: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _metadata(meta, router_name(name), router_labels(name)),
+            "rules": [dict(rule) for rule in ROUTER_RULES]}
+
+
+def render_role_binding(meta: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(meta, router_name(name), router_labels(name)),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router_name(name)},
+        "subjects": [{"kind": "ServiceAccount", "name": router_name(name), "namespace": meta["namespace"]}],
+    }
+
+
+def render_inference_pool(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
+    ref = spec["router"]["endpointPickerRef"]
+    picker = {"name": ref["name"], "port": {"number": ref["port"]["number"]},
+              "kind": ref.get("kind", "Service"), "group": ref.get("group", ""),
+              "failureMode": ref.get("failureMode", "FailClose")}
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": _metadata(meta, name, r.labels(name)),
+        "spec": {
+            "selector": {"matchLabels": r.selector_labels(name)},
+            "targetPorts": [{"number": r.DAEMON_PORT}],
+            "endpointPickerRef": picker,
+        },
+    }

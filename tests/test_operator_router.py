@@ -1,0 +1,143 @@
+"""The routing children (operator/routing.py): what spec.router renders, checked against the Kubernetes
+schemas (kubernetes-validate) and the published InferencePool v1 API (tests/schemas/inferencepool-v1.json)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+
+import jsonschema
+import kubernetes_validate
+import pytest
+
+from kvpilot.operator import crd, resources, routing
+
+META = {"name": "llm", "namespace": "ml", "uid": "u-1"}
+K8S_VERSION = "1.30.0"
+POOL_SCHEMA = json.loads((pathlib.Path(__file__).parent / "schemas" / "inferencepool-v1.json").read_text())
+PICKER = {"name": "epp", "port": {"number": 9002}}
+
+
+def spec(router: dict | None = None, **overrides) -> dict:
+    return crd.default_spec({"model": {"uri": "hf://org/model"}, "router": router or {"enabled": True},
+                             **overrides})
+
+
+def builtin_children(s: dict) -> list[dict]:
+    return [routing.render_service_account(META), routing.render_role(META), routing.render_role_binding(META),
+            routing.render_daemons_service(META), routing.render_router_deployment(META, s),
+            routing.render_router_pdb(META)]
+
+
+def test_router_defaults_are_off_and_valid():
+    s = crd.default_spec({"model": {"uri": "hf://org/model"}})
+    assert s["router"] == {"enabled": False, "mode": "builtin", "replicas": 2, "extraArgs": [],
+                           "resources": {"cpu": "1", "memory": "1Gi"}}
+    assert not resources.builtin_router(s) and not crd.inference_pool(s)
+    assert resources.render_service(META, s)["spec"]["selector"] == resources.selector_labels("llm")
+
+
+@pytest.mark.parametrize("doc", builtin_children(spec()), ids=lambda d: d["kind"])
+def test_builtin_children_are_valid_kubernetes_objects_owned_by_the_cr(doc):
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    ref = doc["metadata"]["ownerReferences"][0]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceDeployment", "llm", "u-1", True)
+    assert doc["metadata"]["namespace"] == "ml"
+
+
+def test_the_service_fronts_the_routers_and_the_routers_discover_the_daemons():
+    s = spec()
+    svc = resources.render_service(META, s)
+    assert svc["metadata"]["name"] == "llm"
+    assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "kvpilot-router", "kvpilot.io/inferencedeployment": "llm"}
+    headless = routing.render_daemons_service(META)
+    assert headless["metadata"]["name"] == "llm-daemons" and headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"] == resources.selector_labels("llm")
+    assert headless["spec"]["ports"][0]["name"] == "http"
+    args = routing.render_router_deployment(META, s)["spec"]["template"]["spec"]["containers"][0]["args"]
+    pairs = dict(zip(args[::2], args[1::2], strict=True))
+    assert pairs["--service"] == "llm-daemons" and pairs["--namespace"] == "ml" and pairs["--port-name"] == "http"
+    assert pairs["--port"] == "8000" and pairs["--block-size"] == "16"
+
+
+def test_router_pods_never_match_the_daemon_selector():
+    pod = routing.render_router_deployment(META, spec())["spec"]["template"]
+    assert not resources.matches_selector(pod["metadata"]["labels"], "llm")
+    assert routing.matches_router(pod["metadata"]["labels"], "llm")
+    daemon = resources.render_deployment(META, spec(), 1)["spec"]["template"]
+    assert not routing.matches_router(daemon["metadata"]["labels"], "llm")
+
+
+def test_router_deployment_replicas_image_resources_and_identity():
+    s = spec({"enabled": True, "replicas": 3, "image": "example.com/router:1", "extraArgs": ["--load-cap", "0.5"],
+              "resources": {"cpu": "2", "memory": "2Gi"}})
+    dep = routing.render_router_deployment(META, s)
+    assert dep["metadata"]["name"] == "llm-router" and dep["spec"]["replicas"] == 3
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "example.com/router:1" and c["command"] == ["python", "-m", "kvpilot.router"]
+    assert c["args"][-2:] == ["--load-cap", "0.5"]
+    assert c["resources"]["limits"] == {"cpu": "2", "memory": "2Gi"}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert pod["serviceAccountName"] == "llm-router"
+    assert dep["spec"]["template"]["metadata"]["annotations"]["kvpilot.io/metrics-port"] == "8000"
+    assert routing.render_router_deployment(META, spec())["spec"]["template"]["spec"]["containers"][0]["image"] \
+        == spec()["image"]  # the daemon image ships the router too
+
+
+def test_router_pdb_keeps_one_of_at_least_two():
+    pdb = routing.render_router_pdb(META)
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": routing.router_selector_labels("llm")}}
+    assert spec()["router"]["replicas"] >= 2
+
+
+def test_the_router_may_read_endpointslices_and_nothing_else():
+    role, binding = routing.render_role(META), routing.render_role_binding(META)
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llm-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llm-router", "namespace": "ml"}]
+
+
+def pool_spec(**ref) -> dict:
+    return spec({"enabled": True, "mode": "inferencePool", "endpointPickerRef": {**PICKER, **ref}})
+
+
+def test_inference_pool_matches_the_published_v1_api():
+    s = pool_spec()
+    assert crd.validate("llm", s) == [] and crd.inference_pool(s) and not resources.builtin_router(s)
+    pool = routing.render_inference_pool(META, s)
+    jsonschema.validate(pool, POOL_SCHEMA)
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["metadata"]["name"] == "llm"
+    assert pool["spec"]["selector"] == {"matchLabels": resources.selector_labels("llm")}
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    assert pool["spec"]["endpointPickerRef"] == {"name": "epp", "port": {"number": 9002}, "kind": "Service",
+                                                 "group": "", "failureMode": "FailClose"}
+    opened = routing.render_inference_pool(META, pool_spec(failureMode="FailOpen"))
+    assert opened["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    # In inferencePool mode the Service keeps selecting the daemons: in-cluster clients need no gateway.
+    assert resources.render_service(META, s)["spec"]["selector"] == resources.selector_labels("llm")
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda p: p["spec"].update(targetPorts=[]),
+    lambda p: p["spec"].update(targetPorts=[{"number": 8000}, {"number": 8001}]),
+    lambda p: p["spec"]["endpointPickerRef"].pop("port"),
+    lambda p: p["spec"]["endpointPickerRef"].update(failureMode="Sometimes"),
+    lambda p: p["spec"]["selector"].update(matchLabels={}),
+    lambda p: p["spec"]["selector"].update(matchExpressions=[]),
+    lambda p: p["spec"].update(extensionRef={"name": "epp"}),  # the v1alpha2 field name
+])
+def test_the_inference_pool_schema_can_fail(mutate):
+    pool = copy.deepcopy(routing.render_inference_pool(META, pool_spec()))
+    mutate(pool)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(pool, POOL_SCHEMA)
+
+
+def test_rendering_is_pure():
+    s = spec()
+    before = copy.deepcopy(s)
+    assert builtin_children(s) == builtin_children(s)
+    assert s == before
