@@ -280,7 +280,7 @@ async def mode(name: str, args: argparse.Namespace, work: dict[str, Any], http: 
         urls = [d.base_url for d in daemons]
         before = [metric_sums(await scrape(http, u), CACHE_NAMES) for u in urls]
         if name == "router":
-            router = RouterProcess("--endpoints", ",".join(urls), "--tokenizer", MODEL, "--log-level", "warning")
+            router = RouterProcess("--endpoints", ",".join(urls), "--tokenizer", MODEL, "--log-level", "info")
             router.start()
             (client,) = clients_for([router.url])
 
@@ -331,7 +331,7 @@ async def kill_check(args: argparse.Namespace, work: dict[str, Any]) -> dict[str
     print(f"[{time.strftime('%H:%M:%S')}] kill: starting 3 daemons + router", flush=True)
     daemons = start_daemons(args)
     router = RouterProcess("--endpoints", ",".join(d.base_url for d in daemons), "--tokenizer", MODEL,
-                           "--log-level", "warning")
+                           "--log-level", "info")
     try:
         router.start()
         (client,) = clients_for([router.url])
@@ -393,7 +393,7 @@ async def scale_from_zero_check(args: argparse.Namespace, work: dict[str, Any]) 
                "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}]}
         (tmp / "kubeconfig").write_text(yaml.safe_dump(cfg))
         router = RouterProcess("--service", "llm", "--namespace", "bench", "--port-name", "http", "--tokenizer", MODEL,
-                               "--hold-timeout", "240", "--log-level", "warning",
+                               "--hold-timeout", "240", "--log-level", "info",
                                env={"KUBECONFIG": str(tmp / "kubeconfig"), "KUBERNETES_SERVICE_HOST": ""})
         daemon = DaemonProcess(MODEL, "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory",
                                args.kv_cache_memory, "--dtype", args.dtype, "--disable-log-requests",

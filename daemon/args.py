@@ -91,6 +91,8 @@ class ServeArgs:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     disable_log_requests: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     @property
     def model(self) -> str:
@@ -136,6 +138,12 @@ _SERVER_FLAGS = (
     _Flag("log_level", "server", {"choices": ["debug", "info", "warning", "error"], "help": "default info"}),
     _Flag("disable_log_requests", "server", {
         "action": argparse.BooleanOptionalAction, "default": None, "help": "do not write the per-request log line"}),
+    _Flag("enable_auto_tool_choice", "server", {
+        "action": argparse.BooleanOptionalAction, "default": None,
+        "help": "allow tool_choice 'auto' (the default when tools are given): calls are parsed out of the "
+                "model's text; needs --tool-call-parser. Named and 'required' tool choices work without it"}),
+    _Flag("tool_call_parser", "server", {
+        "choices": ["hermes"], "help": "how tool calls look in the model's text: hermes (JSON in tool_call tags, as Qwen2.5 writes)"}),
 )
 
 # Parsers for engine fields whose annotation alone says too little (sizes, ranges).
@@ -241,6 +249,8 @@ def resolve_serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser,
             setattr(args, flag.dest, value)
     if not args.api_key:
         args.api_key = None
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     try:
         args.engine = EngineConfig(**engine_values)  # its own checks: bad combinations exit like bad flags
     except ValueError as exc:

@@ -11,9 +11,13 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine.structured import StructuredOutputSpec
+    from .tools import Tool, ToolChoice
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -168,6 +172,29 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     max_tokens_set: bool = False
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: ToolChoice | None = None  # None: no tools in play ("none")
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_mode(self) -> str:
+        return self.tool_choice.mode if self.tool_choice is not None else "none"
+
+
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+
+
+def _structured_spec(body: dict[str, Any]) -> StructuredOutputSpec | None:
+    """The output constraint the body asks for (response_format, structured_outputs, guided_*)."""
+    if all(body.get(k) is None for k in _STRUCTURED_FIELDS):
+        return None  # no xgrammar import for plain requests
+    from .engine.structured import StructuredOutputError, spec_from_request
+
+    try:
+        return spec_from_request(body)
+    except StructuredOutputError as exc:
+        raise invalid(exc.field, str(exc)) from None
 
 
 def _stop(f: _Fields) -> list[str]:
@@ -237,7 +264,8 @@ def _logit_bias(f: _Fields) -> dict[int, float] | None:
 
 
 def _common_sampling(f: _Fields, *, n: int, max_tokens: int | None, logprobs: int | None,
-                     best_of: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                     best_of: int | None = None, prompt_logprobs: int | None = None,
+                     structured: StructuredOutputSpec | None = None) -> SamplingParams:
     """Fields shared by both routes, vLLM's extra parameters included."""
     temperature = f.number("temperature", 1.0, 0.0, 2.0)
     top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
@@ -260,7 +288,6 @@ def _common_sampling(f: _Fields, *, n: int, max_tokens: int | None, logprobs: in
         raise invalid("best_of", f"'best_of' ({best_of}) must be >= n ({n})")
     logit_bias = _logit_bias(f)
     prompt_logprobs = f.integer("prompt_logprobs", prompt_logprobs, 0, MAX_LOGPROBS)
-    _reject_unsupported(f, ("guided_json", "guided_regex", "guided_choice", "guided_grammar"))
     try:
         return SamplingParams(
             n=n, best_of=best_of, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
@@ -268,6 +295,7 @@ def _common_sampling(f: _Fields, *, n: int, max_tokens: int | None, logprobs: in
             stop=stop or None, stop_token_ids=stop_token_ids, include_stop_str_in_output=include_stop,
             ignore_eos=ignore_eos, max_tokens=max_tokens, min_tokens=min_tokens, logprobs=logprobs,
             skip_special_tokens=skip_special, logit_bias=logit_bias, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
         )
     except (ValueError, TypeError) as exc:  # backstop: the engine's own checks
         raise invalid(None, str(exc)) from None
@@ -298,7 +326,8 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     _reject_unsupported(f, ("suffix",))
     # echo with logprobs scores the prompt too (vLLM: prompt_logprobs = logprobs)
     params = _common_sampling(f, n=n, max_tokens=max_tokens, logprobs=logprobs, best_of=best_of,
-                              prompt_logprobs=logprobs if echo and logprobs is not None else None)
+                              prompt_logprobs=logprobs if echo and logprobs is not None else None,
+                              structured=_structured_spec(body))
     return CompletionRequest(model=model, prompts=prompts, params=params, stream=stream,
                              stream_options=stream_options, echo=echo, logprobs=logprobs,
                              priority=_priority(f), max_tokens_set=max_tokens_set)
@@ -374,8 +403,49 @@ def _messages(v: Any) -> list[dict[str, Any]]:
         clean: dict[str, Any] = {"role": role, "content": content or ""}
         if isinstance(msg.get("name"), str):
             clean["name"] = msg["name"]
+        if role == "tool" or msg.get("tool_calls") is not None:
+            clean.update(_message_tool_fields(i, msg))
         out.append(clean)
     return out
+
+
+def _message_tool_fields(i: int, msg: dict[str, Any]) -> dict[str, Any]:
+    from .engine.structured import StructuredOutputError
+    from .tools import parse_message_tool_fields
+
+    try:
+        return parse_message_tool_fields(i, msg)
+    except StructuredOutputError as exc:
+        raise invalid(exc.field, str(exc)) from None
+
+
+def _tools(f: _Fields, auto_tool_choice: bool) -> tuple[list[Tool], ToolChoice | None, bool]:
+    """tools, tool_choice (checked against the tools) and parallel_tool_calls."""
+    parallel = f.boolean("parallel_tool_calls", True)
+    if f.body.get("tools") is None and f.body.get("tool_choice") in (None, "none"):
+        return [], None, parallel
+    from .engine.structured import StructuredOutputError
+    from .tools import parse_tool_choice, parse_tools
+
+    try:
+        tools = parse_tools(f.body.get("tools"))
+        return tools, parse_tool_choice(f.body.get("tool_choice"), tools, auto_enabled=auto_tool_choice), parallel
+    except StructuredOutputError as exc:
+        raise invalid(exc.field, str(exc)) from None
+
+
+def _chat_constraint(tools: list[Tool], choice: ToolChoice | None, parallel: bool,
+                     body: dict[str, Any]) -> StructuredOutputSpec | None:
+    """response_format & co., or the grammar of a forced tool call (never both)."""
+    spec = _structured_spec(body)
+    if choice is None or choice.mode not in ("named", "required"):
+        return spec
+    if spec is not None:
+        raise invalid("tool_choice", f"tool_choice {choice.mode!r} forces a tool call and cannot be combined "
+                                     f"with {spec.field.split('.')[0]}")
+    from .tools import forced_call_spec
+
+    return forced_call_spec(tools, choice, parallel=parallel)
 
 
 def parse_messages(v: Any) -> list[dict[str, Any]]:
@@ -383,7 +453,8 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
     return _messages(v)
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+def parse_chat_request(body: dict[str, Any], *, auto_tool_choice: bool = False) -> ChatRequest:
+    """auto_tool_choice: the server parses tool calls out of free text (--enable-auto-tool-choice)."""
     f = _Fields(body)
     model = _model(f)
     messages = _messages(body.get("messages"))
@@ -397,14 +468,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     top_logprobs = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top_logprobs is not None and top_logprobs > 0 and not logprobs:
         raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
-    rf = f.obj("response_format")
-    if rf is not None and rf.get("type") not in (None, "text"):
-        raise invalid("response_format", f"response_format type {rf.get('type')!r} is not supported (text only)",
-                      "unsupported_parameter")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none"):
-        raise invalid("tool_choice", "tool calling is not supported by this server", "unsupported_parameter")
-    _reject_unsupported(f, ("tools", "functions", "function_call"))
+    tools, tool_choice, parallel = _tools(f, auto_tool_choice)
+    _reject_unsupported(f, ("functions", "function_call"))  # the deprecated forms: use tools/tool_choice
     add_gen = f.boolean("add_generation_prompt", True)
     cont = f.boolean("continue_final_message", False)
     if add_gen and cont:
@@ -412,9 +477,10 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
                       "'continue_final_message' and 'add_generation_prompt' cannot both be true")
     if cont and messages[-1]["role"] != "assistant":
         raise invalid("continue_final_message", "'continue_final_message' needs a final assistant message")
-    params = _common_sampling(f, n=n, max_tokens=max_tokens,
-                              logprobs=(top_logprobs or 0) if logprobs else None)
+    params = _common_sampling(f, n=n, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if logprobs else None,
+                              structured=_chat_constraint(tools, tool_choice, parallel, body))
     return ChatRequest(model=model, messages=messages, params=params, stream=stream,
                        stream_options=stream_options, logprobs=logprobs, top_logprobs=top_logprobs or 0,
                        priority=_priority(f), add_generation_prompt=add_gen, continue_final_message=cont,
-                       max_tokens_set=max_tokens is not None)
+                       max_tokens_set=max_tokens is not None, tools=tools, tool_choice=tool_choice,
+                       parallel_tool_calls=bool(parallel))

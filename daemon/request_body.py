@@ -42,6 +42,11 @@ async def read_json_body(request: web.Request) -> dict[str, Any]:
         # the rest of the body cannot be read either: close the connection after the answer
         raise APIError(f"the request body could not be decoded: {_reason(exc)}", code="invalid_body",
                        headers={"Connection": "close"}) from None
+    return decode_json_body(raw)
+
+
+def decode_json_body(raw: bytes) -> dict[str, Any]:
+    """Strict UTF-8 bytes -> a JSON object whose strings and keys are all valid Unicode."""
     try:
         text = raw.decode("utf-8")  # strict: CESU-8 surrogates (ED A0 80) and stray bytes fail here
     except UnicodeDecodeError as exc:

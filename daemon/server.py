@@ -215,7 +215,9 @@ def build_app(args: ServeArgs, engine: AsyncEngine | None = None) -> web.Applica
     daemon_metrics.enable_prefix_caching = config.enable_prefix_caching
     daemon_metrics.stats_fn = lambda: engine.stats
     daemon_metrics.queued_fn = lambda: engine.num_queued
-    serving = OpenAIServing(engine, names, config.scheduling_policy, config.max_num_seqs)
+    serving = OpenAIServing(engine, names, config.scheduling_policy, config.max_num_seqs,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            tool_call_parser=args.tool_call_parser)
     app = web.Application(middlewares=[errors_and_logs, auth_and_drain], client_max_size=MAX_BODY_BYTES)
     state = ServerState(args=args, engine=engine, metrics=daemon_metrics, serving=serving)
     state.idle.set()

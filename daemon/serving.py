@@ -25,7 +25,9 @@ from .errors import EngineDead, EngineRejected
 from .http_errors import to_api_error
 from .protocol import (
     APIError,
+    ChatRequest,
     StreamOptions,
+    invalid,
     parse_chat_request,
     parse_completion_request,
 )
@@ -39,11 +41,14 @@ _seq = itertools.count()
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, names: ServedNames, scheduling_policy: str, max_num_seqs: int) -> None:
+    def __init__(self, engine: AsyncEngine, names: ServedNames, scheduling_policy: str, max_num_seqs: int, *,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.names = names
         self.scheduling_policy = scheduling_policy
         self.max_num_seqs = max_num_seqs
+        self.auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser or "hermes"  # forced calls are written in Hermes form
 
     @property
     def model_name(self) -> str:
@@ -69,11 +74,18 @@ class OpenAIServing:
         return processor
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    continue_final_message: bool) -> str:
-        """The chat template applied to checked messages (shared with /tokenize)."""
+                    continue_final_message: bool, tools: list | None = None) -> str:
+        """The chat template applied to checked messages (shared with /tokenize). Tools, tool calls
+        and tool results go in natively when the template knows them, else as Hermes text."""
+        tok = self.engine.tokenizer
+        native_tools = None
+        if tools or any("tool_calls" in m or m.get("role") == "tool" for m in messages):
+            from .tools import template_inputs, template_supports_tools
+
+            messages, native_tools = template_inputs(messages, tools or [], template_supports_tools(tok))
         try:
-            return self.engine.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            return tok.apply_chat_template(
+                messages, tools=native_tools, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message)
         except Exception as exc:  # noqa: BLE001 - jinja errors: the messages broke the template's rules
             raise APIError(f"the chat template rejected the messages: {exc}", param="messages",
@@ -107,26 +119,50 @@ class OpenAIServing:
         if len(subs) > self.engine.max_queued_requests:
             raise APIError(f"{len(subs)} prompts in one request exceed the queue limit "
                            f"({self.engine.max_queued_requests})", param="prompt", code="invalid_value")
+        await self._compile_grammar(req.params)
         job = RequestState(rid, subs, req.params.n, texts)
         request[REQUEST_LOG_FIELDS].update(request_id=rid, stream=req.stream, n=req.params.n, prompts=len(subs))
         fmt = CompletionFormat(self.engine.tokenizer, self.model_name, job, req)
         return await self._run(request, job, fmt, req.stream, req.stream_options)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat_request(await read_json_body(request))
+        req = parse_chat_request(await read_json_body(request), auto_tool_choice=self.auto_tool_choice)
         self.check_model(req.model)
         processor = self._check_common(req.params, req.priority)
-        tok = self.engine.tokenizer
-        text = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+        text = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
         # the template already holds the special tokens
         ids = processor.process_prompt(text, param="messages", add_special_tokens=False).token_ids
         params = processor.fit(len(ids), req.params, param="messages", max_tokens_explicit=req.max_tokens_set)
+        await self._compile_grammar(params)
         rid = self._request_id(request, "chatcmpl")
         job = RequestState(rid, [Submission(f"{rid}-{next(_seq)}-0", ids, params, req.priority)], req.params.n,
                            [None])
         request[REQUEST_LOG_FIELDS].update(request_id=rid, stream=req.stream, n=req.params.n)
-        fmt = ChatFormat(tok, self.model_name, job, req)
+        fmt = self._chat_format(job, req)
         return await self._run(request, job, fmt, req.stream, req.stream_options)
+
+    def _chat_format(self, job: RequestState, req: ChatRequest) -> ChatFormat:
+        if req.tool_mode == "none":
+            return ChatFormat(self.engine.tokenizer, self.model_name, job, req)
+        from .tools import TOOL_CALL_PARSERS
+        from .tools.chat_format import ToolChatFormat  # calls can happen: the text is parsed for them
+
+        return ToolChatFormat(self.engine.tokenizer, self.model_name, job, req, TOOL_CALL_PARSERS[self.tool_call_parser])
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a constrained request's grammar before submitting it, so a grammar that does not
+        compile is a 400 here; the engine thread then finds it in the same (process-wide) cache."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        from .engine.structured import StructuredOutputError, shared_compiler
+
+        tok = self.engine.tokenizer
+        compiler = shared_compiler(tok, self.engine.vocab_size, [tok.eos_token_id] if tok.eos_token_id is not None else [])
+        try:
+            await asyncio.wrap_future(compiler.submit(spec))
+        except StructuredOutputError as exc:
+            raise invalid(exc.field, str(exc)) from None
 
     # ---- the engine round trip ----------------------------------------------------------------------
 

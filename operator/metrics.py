@@ -16,6 +16,8 @@ KV_USAGE = Gauge("kvpilot_operator_kv_cache_usage", "Mean KV-cache usage of the 
                  registry=REGISTRY)
 WAITING = Gauge("kvpilot_operator_waiting_requests", "Queued requests over the sampled pods", _L,
                 registry=REGISTRY)
+HELD = Gauge("kvpilot_operator_router_held_requests", "Requests the routers hold while no daemon is ready", _L,
+             registry=REGISTRY)
 PANIC = Gauge("kvpilot_operator_panic", "1 while the autoscaler is in panic mode", _L, registry=REGISTRY)
 SCRAPES = Counter("kvpilot_operator_scrapes", "Pod /metrics scrapes", _L, registry=REGISTRY)
 SCRAPE_ERRORS = Counter("kvpilot_operator_scrape_errors", "Pod /metrics scrapes that failed", _L,
@@ -32,6 +34,6 @@ def serve(port: int, addr: str = "0.0.0.0"):
 
 
 def forget(namespace: str, name: str) -> None:
-    for gauge in (DESIRED, CURRENT, KV_USAGE, WAITING, PANIC):
+    for gauge in (DESIRED, CURRENT, KV_USAGE, WAITING, PANIC, HELD):
         with contextlib.suppress(KeyError):  # never set for this object
             gauge.remove(namespace, name)

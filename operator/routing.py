@@ -13,6 +13,7 @@ from kvpilot.operator import resources as r
 
 ROUTER_APP = r.ROUTER_APP
 ROUTER_PORT = 8000
+COLD_START_HOLD_SECONDS = 300
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 INFERENCE_POOL_PLURAL = "inferencepools"
 
@@ -56,6 +57,15 @@ def router_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
         "--port-name", "http",
         "--block-size", str(spec["engine"]["blockSize"]),
     ]
+    uri = spec["model"]["uri"]
+    if not uri.startswith("pvc://"):  # the router pod mounts no volume; there it hashes UTF-8 bytes instead
+        # The model's own tokenizer makes the router's block hashes the engine's, so hit estimates are real.
+        args += ["--tokenizer", uri]
+    a = spec["autoscaling"]
+    if a["enabled"] and a["minReplicas"] == 0:
+        # A request held at zero waits out a cold start (the router's own default is 30 s), as long as
+        # Knative's activator waits by default. extraArgs come later and win.
+        args += ["--hold-timeout", str(COLD_START_HOLD_SECONDS)]
     return args + list(spec["router"].get("extraArgs", []))
 
 

@@ -178,6 +178,10 @@ def status_patch(*, meta: dict[str, Any], spec: dict[str, Any], old: dict[str, A
     enabled = bool(spec["autoscaling"]["enabled"])
     live = (deployment or {}).get("spec", {}).get("replicas", 0) or 0
     conditions = deployment_conditions(conditions, deployment, now, gen)
+    ready_now = ((deployment or {}).get("status") or {}).get("readyReplicas", 0) or 0
+    if live == 0 and not ready_now and deployment is not None and _router_mode(spec) == "builtin":
+        conditions = set_condition(conditions, "Ready", "False", "ScaledToZero",
+                                   "scaled to zero: the router holds the next request and wakes a replica", now, gen)
     st = (deployment or {}).get("status") or {}
     patch.update({
         "replicas": st.get("replicas", 0) or 0,  # always beside Ready, which is computed from the same counts

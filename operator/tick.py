@@ -139,6 +139,8 @@ def record(observed: Observed, plan: Plan) -> None:
     metrics.CURRENT.labels(ns, name).set(plan.current)
     metrics.KV_USAGE.labels(ns, name).set(plan.decision.mean_kv_cache_usage)
     metrics.WAITING.labels(ns, name).set(plan.decision.waiting_total)
+    if observed.router is not None:
+        metrics.HELD.labels(ns, name).set(plan.decision.held)
 
 
 async def act(client: kube.KubeClient, observed: Observed, plan: Plan, logger: logging.Logger) -> None:

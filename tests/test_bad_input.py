@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from support.daemon_process import DaemonProcess
 
 from kvpilot.daemon.protocol import APIError, parse_chat_request, parse_completion_request, parse_json_body
-from kvpilot.daemon.request_body import find_unpaired_surrogate
+from kvpilot.daemon.request_body import decode_json_body, find_unpaired_surrogate
 from kvpilot.daemon.tokenize_routes import parse_detokenize_request, parse_tokenize_request
 
 J = {"Content-Type": "application/json"}
@@ -172,6 +172,25 @@ def test_json_body_parser_raises_only_api_errors(raw):
         assert exc.status == 400
     else:
         assert isinstance(body, dict)
+
+
+# any code point, lone surrogates included, in keys and values
+_unicode = st.text(st.characters(codec=None, categories=None), max_size=6)
+_any_text_json = st.recursive(st.none() | st.integers() | _unicode,
+                              lambda kids: st.lists(kids, max_size=3) | st.dictionaries(_unicode, kids, max_size=3),
+                              max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_unicode, _any_text_json, max_size=4))
+def test_lone_surrogates_anywhere_are_a_400_naming_where(body):
+    raw = json.dumps(body).encode()  # ensure_ascii: a lone surrogate goes out as a \udXXX escape
+    expected = json.loads(raw)  # an adjacent high + low pair is joined into one character here
+    has_lone = find_unpaired_surrogate(expected) is not None
+    try:
+        assert decode_json_body(raw) == expected and not has_lone
+    except APIError as exc:
+        assert has_lone and exc.status == 400 and exc.code == "invalid_unicode" and exc.param
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

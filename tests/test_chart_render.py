@@ -35,6 +35,8 @@ VARIANTS = {
     "default": (),
     "namespaces": ("watchNamespaces={team-a,team-b}",),
     "standalone": ("peering.enabled=false", "logLevel=DEBUG", "image.tag=dev"),
+    "inference-pool": ("gatewayInferenceExtension.enabled=true",),
+    "no-router": ("router.enabled=false",),
 }
 
 
@@ -74,8 +76,12 @@ def test_all_namespaces_rbac_is_least_privilege():
         ("kvpilot.io", "inferencedeployments"): {"get", "list", "watch", "patch"},
         ("kvpilot.io", "inferencedeployments/status"): {"patch"},
         ("kvpilot.io", "inferencedeployments/finalizers"): {"update"},
-        ("apps", "deployments"): {"get", "create", "patch"},
-        ("", "services"): {"create", "patch"},
+        ("apps", "deployments"): {"get", "create", "patch", "delete"},
+        ("", "services"): {"create", "patch", "delete"},
+        ("", "serviceaccounts"): {"create", "patch", "delete"},
+        ("rbac.authorization.k8s.io", "roles"): {"create", "patch", "delete"},
+        ("rbac.authorization.k8s.io", "rolebindings"): {"create", "patch", "delete"},
+        ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},  # held for the routers' Roles
         ("policy", "poddisruptionbudgets"): {"create", "patch", "delete"},
         ("", "pods"): {"list"},
         ("", "events"): {"create"},
@@ -103,6 +109,34 @@ def test_all_namespaces_rbac_is_least_privilege():
     assert [p["metadata"]["name"] for p in by_kind(docs, "ClusterKopfPeering")] == ["kvpilot"]
     sa = by_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == sa
+
+
+def workload_rules(docs) -> dict[tuple[str, str], set[str]]:
+    role = next(r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == "kvpilot-workloads")
+    return {(g, res): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
+            for res in rule["resources"]}
+
+
+def test_router_grants_cover_what_the_operator_grants_the_routers():
+    """RBAC escalation prevention: the operator may create a Role only with every permission in it."""
+    from kvpilot.operator import routing
+
+    rules = workload_rules(render())
+    for rule in routing.ROUTER_RULES:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                assert set(rule["verbs"]) <= rules[(group, res)], (group, res)
+    assert ("inference.networking.k8s.io", "inferencepools") not in rules  # off unless asked for
+    assert not {"bind", "escalate"} & set().union(*rules.values())
+
+
+def test_inference_pool_and_router_toggles():
+    pools = workload_rules(render("gatewayInferenceExtension.enabled=true"))
+    assert pools[("inference.networking.k8s.io", "inferencepools")] == {"create", "patch", "delete"}
+    bare = workload_rules(render("router.enabled=false"))
+    assert bare[("apps", "deployments")] == {"get", "create", "patch"} and bare[("", "services")] == {"create", "patch"}
+    assert not {("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+                ("discovery.k8s.io", "endpointslices")} & set(bare)
 
 
 def test_watched_namespaces_get_rolebindings_and_namespaced_peering():
@@ -134,7 +168,7 @@ def test_the_chart_ships_the_crd_the_operator_uses():
 
 
 @pytest.mark.parametrize("bad", ["logLevel=LOUD", "replicaCount=-1", "metrics.port=80", "image.pullPolicy=Sometimes",
-                                 "unknownKey=1"])
+                                 "unknownKey=1", "router.enabled=maybe", "gatewayInferenceExtension.typo=1"])
 def test_values_schema_rejects_bad_values(bad):
     result = helm("template", "kvpilot", str(CHART), "--set", bad, check=False)
     assert result.returncode != 0 and "schema" in result.stderr.lower(), result.stderr

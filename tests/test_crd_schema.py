@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_support import crd_checks as checks
 
 from kvpilot.operator import crd
+from operator_support import crd_checks as checks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "inferencedeployment.yaml"

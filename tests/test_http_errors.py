@@ -32,3 +32,13 @@ def test_input_errors_keep_their_field_and_other_errors_are_not_mapped():
     assert to_api_error(err) is err
     assert to_api_error(RuntimeError("a bug")) is None
     assert to_api_error(ValueError("unnamed")) is None
+
+
+def test_undecodable_bodies_are_400_and_close_the_connection():
+    from aiohttp.http_exceptions import ContentEncodingError
+    from aiohttp.web_protocol import RequestPayloadError
+
+    for exc in (RequestPayloadError("Can not decode content-encoding: gzip"), ContentEncodingError("gzip")):
+        err = to_api_error(exc)
+        assert err is not None and err.status == 400 and err.code == "invalid_body"
+        assert err.headers == {"Connection": "close"} and "decode" in err.message.lower()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from operator_support.harness import CR_PATH, cluster, eventually, operator
 
 from kvpilot.operator import kube
 from kvpilot.operator.finalizers import LEGACY_FINALIZER, strip_legacy_finalizers, without_legacy
+from operator_support.harness import CR_PATH, cluster, eventually, operator
 
 pytestmark = pytest.mark.timeout(120)
 NS = "ml"

@@ -7,6 +7,7 @@ import time
 
 import aiohttp
 import pytest
+
 from operator_support.harness import MetricsServer, cluster, eventually, free_port, operator
 
 pytestmark = pytest.mark.timeout(120)

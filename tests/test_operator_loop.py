@@ -7,11 +7,11 @@ import logging
 
 import aiohttp
 import pytest
-from operator_support.harness import MetricsServer, cluster
 
 from kvpilot.operator import kube, resources
 from kvpilot.operator.loop import AutoscalingLoop, index_entry
 from kvpilot.operator.tick import Cr
+from operator_support.harness import MetricsServer, cluster
 
 pytestmark = pytest.mark.timeout(60)
 NS = "ml"
@@ -125,3 +125,20 @@ async def test_status_write_is_retried_after_a_concurrent_writer(tmp_path):
         assert obj["metadata"]["labels"] == {"team": "a"}
         assert obj["status"]["url"] == "http://llm.ml.svc:8000/v1"
         assert obj["metadata"]["generation"] == 1  # neither write touched the spec
+
+
+async def test_at_zero_the_loop_ticks_often_so_a_held_request_wakes_it_soon(tmp_path):
+    from kvpilot.operator import routing
+    body = {**BODY, "spec": {**BODY["spec"], "router": {"enabled": True},
+                             "autoscaling": {**BODY["spec"]["autoscaling"], "minReplicas": 0}}}
+    async with cluster(tmp_path) as k, aiohttp.ClientSession() as http:
+        await k.create_cr(NS, body)
+        c = Cr.from_body(body)
+        await k.call("POST", kube.deployments(NS), resources.render_deployment(c.meta, c.spec, 0))
+        await k.call("POST", kube.deployments(NS), routing.render_router_deployment(c.meta, c.spec))
+        loop = make_loop(k, http, {(NS, "llm"): [index_entry(body)]})
+        await loop.round(100.0)  # no router pod yet, so nothing is held: it stays at zero
+        assert await replicas(k) == 0
+        assert (await k.cr(NS, "llm"))["status"]["autoscaler"]["reason"] == "ScaledToZero"
+        assert loop.states[(NS, "llm")].due == 100.0 + 1.0  # not metricsIntervalSeconds (30)
+        await loop.client.close()

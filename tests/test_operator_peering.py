@@ -35,10 +35,9 @@ def test_peering_paths():
 
 
 async def test_paused_reads_the_peering_object(tmp_path):
-    from operator_support.harness import cluster
-
     from kvpilot.operator import kube
     from kvpilot.operator.peering import paused
+    from operator_support.harness import cluster
 
     async with cluster(tmp_path) as k:
         k.emulator.resources["kopf.dev/v1/clusterkopfpeerings"] = dict(

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import pathlib
 
 import jsonschema
 import kubernetes_validate
 import pytest
 
-from kvpilot.operator import crd, resources, routing
+from kvpilot.operator import crd, kube, resources, routing
+from kvpilot.operator.reconcile import sync_routing
+from kvpilot.operator.tick import Cr
 
 META = {"name": "llm", "namespace": "ml", "uid": "u-1"}
 K8S_VERSION = "1.30.0"
@@ -59,6 +62,7 @@ def test_the_service_fronts_the_routers_and_the_routers_discover_the_daemons():
     pairs = dict(zip(args[::2], args[1::2], strict=True))
     assert pairs["--service"] == "llm-daemons" and pairs["--namespace"] == "ml" and pairs["--port-name"] == "http"
     assert pairs["--port"] == "8000" and pairs["--block-size"] == "16"
+    assert pairs["--tokenizer"] == s["model"]["uri"]
 
 
 def test_router_pods_never_match_the_daemon_selector():
@@ -141,3 +145,103 @@ def test_rendering_is_pure():
     before = copy.deepcopy(s)
     assert builtin_children(s) == builtin_children(s)
     assert s == before
+
+
+# --- reconcile's routing step against a recording fake client -------------------------------------------
+
+class FakeClient:
+    """Records applies and deletes; `refuse` maps a path fragment to the HTTP status the server answers."""
+
+    def __init__(self, refuse: dict[str, int] | None = None, existing: set[str] | None = None) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.refuse = refuse or {}
+        self.existing = existing or set()
+
+    def _check(self, verb: str, path: str) -> None:
+        self.calls.append((verb, path))
+        for fragment, status in self.refuse.items():
+            if fragment in path:
+                raise kube.KubeApiError(status, "Refused", "no", verb, path)
+
+    async def apply(self, collection: str, manifest: dict) -> dict:
+        self._check("apply", f"{collection}/{manifest['metadata']['name']}")
+        return {**manifest, "status": {"replicas": 2, "readyReplicas": 2}}
+
+    async def get(self, path: str) -> dict | None:
+        self.calls.append(("get", path))
+        return {"metadata": {}} if path in self.existing else None
+
+    async def delete(self, path: str) -> bool:
+        self._check("delete", path)
+        return True
+
+
+def cr_of(s: dict) -> Cr:
+    return Cr(meta={**META, "generation": 1}, spec=s)
+
+
+def run(coro):
+    import asyncio
+    return asyncio.run(coro)
+
+
+LOG = logging.getLogger("test")
+
+
+def test_the_router_is_up_before_the_service_points_at_it():
+    client = FakeClient()
+    router, error = run(sync_routing(client, cr_of(spec()), {}, LOG))
+    applied = [p.rsplit("/", 2)[-2:] for v, p in client.calls if v == "apply"]
+    assert applied == [["serviceaccounts", "llm-router"], ["roles", "llm-router"], ["rolebindings", "llm-router"],
+                       ["services", "llm-daemons"], ["deployments", "llm-router"],
+                       ["poddisruptionbudgets", "llm-router"], ["services", "llm"]]
+    assert error is None and router["metadata"]["name"] == "llm-router"
+
+
+def test_turning_the_router_off_repoints_the_service_first_then_deletes_the_router():
+    client = FakeClient(existing={"/apis/apps/v1/namespaces/ml/deployments/llm-router"})
+    run(sync_routing(client, cr_of(spec({"enabled": False})), {}, LOG))
+    verbs = [(v, p.rsplit("/", 2)[-2]) for v, p in client.calls if v != "get"]
+    assert verbs == [("apply", "services"), ("delete", "deployments"), ("delete", "poddisruptionbudgets"),
+                     ("delete", "services"), ("delete", "rolebindings"), ("delete", "roles"),
+                     ("delete", "serviceaccounts")]
+
+
+def test_without_a_router_deployment_nothing_is_deleted():
+    client = FakeClient()
+    run(sync_routing(client, cr_of(spec({"enabled": False})), {}, LOG))
+    assert not [c for c in client.calls if c[0] == "delete"]
+
+
+def test_a_chart_without_router_grants_gives_a_condition_and_keeps_serving():
+    client = FakeClient(refuse={"/serviceaccounts/": 403})
+    router, error = run(sync_routing(client, cr_of(spec()), {}, LOG))
+    assert router is None and error[0] == "RouterForbidden"
+    service = [p for v, p in client.calls if v == "apply" and p.endswith("/services/llm")]
+    assert service  # the Service still points somewhere: at the daemons
+
+
+@pytest.mark.parametrize("status, reason", [(404, "InferencePoolCRDMissing"), (403, "InferencePoolForbidden")])
+def test_an_inference_pool_the_cluster_cannot_take_is_a_reason_not_a_crash(status, reason):
+    client = FakeClient(refuse={"/inferencepools/": status})
+    router, error = run(sync_routing(client, cr_of(pool_spec()), {}, LOG))
+    assert router is None and error[0] == reason
+
+
+def test_leaving_inference_pool_mode_deletes_the_pool_only_if_one_was_applied():
+    client = FakeClient()
+    run(sync_routing(client, cr_of(spec({"enabled": False})), {"router": {"mode": "inferencePool"}}, LOG))
+    assert ("delete", "/apis/inference.networking.k8s.io/v1/namespaces/ml/inferencepools/llm") in client.calls
+    client = FakeClient()
+    run(sync_routing(client, cr_of(spec({"enabled": False})), {"router": {"mode": "builtin"}}, LOG))
+    assert not any("inferencepools" in p for _, p in client.calls)
+
+
+def test_scale_to_zero_gives_held_requests_time_for_a_cold_start():
+    def args(s: dict) -> list[str]:
+        return routing.render_router_deployment(META, s)["spec"]["template"]["spec"]["containers"][0]["args"]
+    zero = spec(autoscaling={"enabled": True, "minReplicas": 0})
+    assert args(zero)[-2:] == ["--hold-timeout", "300"]
+    assert "--hold-timeout" not in args(spec())
+    mine = spec({"enabled": True, "extraArgs": ["--hold-timeout", "60"]}, autoscaling={"enabled": True, "minReplicas": 0})
+    assert args(mine)[-2:] == ["--hold-timeout", "60"]  # the user's comes last, and argparse takes the last

@@ -142,3 +142,10 @@ def test_switching_modes_drops_the_other_modes_fields():
     st = status_patch(meta=META, spec=routed_spec(POOL), old=old, deployment=deployment(1, 1), now=T0,
                       reconciled=True)
     assert st["router"]["heldRequests"] is None and st["router"]["inferencePool"] == "llm"
+
+
+def test_scaled_to_zero_behind_the_router_says_what_wakes_it():
+    st = status_patch(meta=META, spec=routed_spec({"enabled": True}), old=None, deployment=deployment(0, 0),
+                      now=T0, router=deployment(2, 2))
+    ready = get_condition(st, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ScaledToZero") and "router" in ready["message"]

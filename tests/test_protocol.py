@@ -117,8 +117,8 @@ def test_completion_errors_name_the_field(body, param, code):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type"),
     ({"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSGS, "response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"messages": MSGS, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({"messages": MSGS, "continue_final_message": True}, "continue_final_message"),
 ])
 def test_chat_errors_name_the_field(body, param):

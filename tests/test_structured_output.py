@@ -1,9 +1,10 @@
-"""Structured outputs on the real model: xgrammar masks applied to the batch the real LLMEngine
-samples from (through a stand-in for the second-wave sampler wiring), plus spec validation,
+"""Structured outputs on the real model: SamplingParams(structured_outputs=...) through the real
+LLMEngine (compile, hold, mask, n > 1, stop strings, preemption), plus spec validation,
 compile cache, matcher rollback/fork and masking of padded vocabularies."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -32,39 +33,29 @@ PERSON = {
 
 
 class GuidedSampler:
-    """What the engine wiring will do: per sequence, a matcher synced to its output tokens and one
-    batched mask over the constrained rows, then the normal sampler. Grammars are looked up by the
-    request's SamplingParams object; matchers by the sequence's output list (kept alive here, so
-    its id cannot be reused)."""
+    """Constrains requests through the engine's own path (SamplingParams.structured_outputs) and
+    counts what its masking step does: rows masked, and outputs that left their grammar."""
 
     def __init__(self, engine) -> None:
-        self.inner = engine.sampler
-        self.compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, engine.loaded.eos_token_ids)
-        self.masker = BatchMasker(engine.vocab_size)
-        self.grammars: dict[int, tuple[SamplingParams, object]] = {}
-        self.matchers: dict[int, tuple[list[int], object]] = {}
+        self.state = engine.structured_outputs()
+        self.compiler = self.state.compiler
         self.rejected = 0
         self.masked_rows = 0
+        inner = self.state.mask
+
+        def counting_mask(logits, seqs):
+            failed = inner(logits, seqs)
+            self.rejected += len(failed)
+            self.masked_rows += sum(1 for i, s in enumerate(seqs) if s.grammar is not None and i not in failed)
+            return failed
+
+        self.state.mask = counting_mask
 
     def constrain(self, params: SamplingParams, spec: StructuredOutputSpec) -> SamplingParams:
-        self.grammars[id(params)] = (params, self.compiler.compile(spec.validate(), timeout=60))
-        return params
+        return dataclasses.replace(params, structured_outputs=spec.validate())
 
-    def __call__(self, logits, states):
-        rows, matchers = [], []
-        for i, s in enumerate(states):
-            entry = self.grammars.get(id(s.params))
-            if entry is None:
-                continue
-            held = self.matchers.get(id(s.output_token_ids))
-            if held is None:
-                held = self.matchers[id(s.output_token_ids)] = (s.output_token_ids, self.compiler.matcher(entry[1]))
-            if not held[1].sync(s.output_token_ids):
-                self.rejected += 1
-            rows.append(i)
-            matchers.append(held[1])
-        self.masked_rows += len(self.masker.apply(logits, rows, matchers))
-        return self.inner(logits, states)
+    def close(self) -> None:
+        del self.state.mask  # back to the class's method
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +66,8 @@ def llm():
 @pytest.fixture
 def guided(llm):
     g = GuidedSampler(llm.engine)
-    llm.engine.sampler = g
     yield g
-    llm.engine.sampler = g.inner
-    g.compiler.shutdown()
+    g.close()
 
 
 def chat(llm, text: str) -> str:
@@ -142,7 +131,6 @@ def test_stop_string_ends_a_constrained_sequence(llm, guided):
 def test_preemption_keeps_outputs_in_the_grammar():
     small = LLM(model=MODEL, num_kv_blocks=10, block_size=16)  # 160 tokens for 4 x ~90: preempts
     guided = GuidedSampler(small.engine)
-    small.engine.sampler = guided
     try:
         spec = StructuredOutputSpec.regex(r"[0-9]{50}")
         prompts = [chat(small, f"Digits, list {i}:") for i in range(4)]
@@ -153,7 +141,7 @@ def test_preemption_keeps_outputs_in_the_grammar():
             assert re.fullmatch(r"[0-9]{50}", o[0].text), o[0].text
         assert guided.rejected == 0
     finally:
-        guided.compiler.shutdown()
+        guided.close()
 
 
 # ----------------------------------------------------------------- matcher state

@@ -160,10 +160,8 @@ def llm():
 @pytest.fixture
 def guided(llm):
     g = GuidedSampler(llm.engine)
-    llm.engine.sampler = g
     yield g
-    llm.engine.sampler = g.inner
-    g.compiler.shutdown()
+    g.close()
 
 
 def _prompt(llm, messages, tools):

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from .sampler import Sampler, SampleResult, SamplingState, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .structured.engine_state import StructuredOutputs
 
 logger = logging.getLogger("kvpilot.engine")
 
@@ -52,6 +56,11 @@ def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | N
     return prompt[start + 1 : end + 1] if end > start else None
 
 
+def _grammar_completed(seq: Sequence) -> bool:
+    """The sequence's output so far completes its grammar (only a stop token may follow)."""
+    return seq.matcher is not None and not seq.matcher.failed and seq.matcher.is_completed()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         self.config = config or EngineConfig(**kwargs)
@@ -79,6 +88,7 @@ class LLMEngine:
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, InputLimits(self.max_model_len, self.vocab_size))
         self.requests: dict[str, Request] = {}  # unfinished requests by request_id
+        self._structured: StructuredOutputs | None = None  # made on the first constrained request
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("engine ready in %.1fs: %s", time.perf_counter() - started, self.model_name)
@@ -134,7 +144,11 @@ class LLMEngine:
         request.seqs.append(self._init_sequence(request, seq, 0))
         if params.prompt_logprobs is not None:  # the parent scores the prompt; forks share it
             seq.prompt_logprobs = [None] * len(token_ids)
-        self.scheduler.add_sequence(seq)
+        if params.structured_outputs is not None:
+            # held outside the scheduler until its grammar compiles (step() admits it)
+            self.structured_outputs().hold(request_id, seq, params.structured_outputs)
+        else:
+            self.scheduler.add_sequence(seq)
         self.requests[request_id] = request
         self.prompt_tokens_total += len(token_ids)
 
@@ -155,6 +169,9 @@ class LLMEngine:
             if request is None:
                 continue
             self.scheduler.abort_sequences(s.seq_id for s in request.seqs)
+            held = self._structured.drop(rid) if self._structured is not None else None
+            if held is not None:
+                held.status = SequenceStatus.FINISHED_ABORTED
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -164,12 +181,15 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled()
         out = self.scheduler.schedule()
         self._apply_block_moves(out)
         for seq in out.preempted:
             logger.debug("preempted %s (%s)", seq.seq_id, seq.status.value)
         if out.is_empty:
-            return []
+            if not failed and self._structured is not None and self.requests:
+                self._structured.wait(0.05)  # only compiles pending: do not spin
+            return [self._make_output(r) for r in failed]
         entries = [
             SeqBatchEntry(
                 token_ids=e.seq.all_token_ids[e.start_pos : e.start_pos + e.num_new_tokens],
@@ -185,7 +205,44 @@ class LLMEngine:
         self._store_prompt_logprobs(out, entries)
         self.scheduler.update_after_step(out)
         touched = self._sample(out, logits, time.monotonic())
-        return [self._make_output(r) for r in touched.values()]
+        return [self._make_output(r) for r in failed + list(touched.values())]
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """The grammar compiler and masker (made on first use)."""
+        if self._structured is None:
+            from .structured.engine_state import StructuredOutputs  # xgrammar only when used
+
+            self._structured = StructuredOutputs(self.tokenizer, self.runner.vocab_size, self.loaded.eos_token_ids)
+        return self._structured
+
+    def _admit_compiled(self) -> list[Request]:
+        """Move held sequences whose grammar is ready into the scheduler; finish (aborted) those
+        whose compile failed and return their requests."""
+        if self._structured is None or not self._structured.held:
+            return []
+        ready, failed = self._structured.take_done()
+        for seq in ready:
+            self.scheduler.add_sequence(seq)
+        out = []
+        for seq, exc in failed:
+            logger.warning("request %s: grammar failed to compile: %s", seq.request_id, exc)
+            request = self.requests.get(seq.request_id)
+            if request is not None:
+                self._abort_unscheduled(request)
+                out.append(request)
+        return out
+
+    def _abort_unscheduled(self, request: Request) -> None:
+        """Finish a request that never reached the scheduler, with all of its n sequences."""
+        request.forked = True
+        for index in range(len(request.seqs), request.params.num_sequences):
+            child = Sequence(seq_id=f"{request.request_id}#{index}", prompt_token_ids=list(request.prompt_token_ids),
+                             sampling_params=request.params)
+            request.seqs.append(self._init_sequence(request, child, index))
+        for seq in request.seqs:
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            seq.text.finish()
+        request.metrics.finished_time = time.monotonic()
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, now: float) -> dict[str, Request]:
         """Sample the next token of every sequence whose chunk reached its end; returns the requests touched."""
@@ -208,20 +265,28 @@ class LLMEngine:
             return touched
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, dtype=torch.long)]
+        off_grammar: set[int] = set()
+        if self._structured is not None and any(s.grammar is not None for s in seqs):
+            off_grammar = self._structured.mask(logits, seqs)
         states = [
             SamplingState(
                 params=s.sampling_params,
                 prompt_token_ids=s.prompt_token_ids,
                 output_token_ids=s.output_token_ids,
                 generator=s.generator,
-                eos_token_ids=s.eos_token_ids,
+                # a completed grammar allows only EOS: min_tokens must not ban it then
+                eos_token_ids=frozenset() if _grammar_completed(s) else s.eos_token_ids,
             )
             for s in seqs
         ]
         results = self.sampler(logits, states)
-        for seq, result in zip(seqs, results, strict=True):
+        for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
             request = self.requests[seq.request_id]
-            self._append_token(request, seq, result, now)
+            if i in off_grammar:  # its tokens left the grammar: end it rather than sample on
+                logger.warning("sequence %s left its grammar; finishing it", seq.seq_id)
+                self._finish(request, seq, SequenceStatus.FINISHED_ABORTED, now)
+            else:
+                self._append_token(request, seq, result, now)
             touched[request.request_id] = request
         return touched
 
@@ -265,6 +330,8 @@ class LLMEngine:
                 cache_salt=seq.cache_salt,
             )
             request.seqs.append(self._init_sequence(request, child, index))
+            child.grammar = seq.grammar  # each child walks the grammar on its own
+            child.matcher = seq.matcher.fresh() if seq.matcher is not None else None
             self.scheduler.add_forked(seq, child)
         return list(request.seqs)
 
@@ -281,15 +348,19 @@ class LLMEngine:
         seq.text.append(token)
         status = self._check_stop(seq, token)
         if status is not None:
-            seq.text.finish()
-            self.scheduler.finish_sequence(seq, status)
-            if request.finished:
-                request.metrics.finished_time = now
+            self._finish(request, seq, status, now)
+
+    def _finish(self, request: Request, seq: Sequence, status: SequenceStatus, now: float) -> None:
+        seq.text.finish()
+        seq.matcher = None  # a finished sequence (stop string, length, EOS) needs no grammar state
+        self.scheduler.finish_sequence(seq, status)
+        if request.finished:
+            request.metrics.finished_time = now
 
     def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.sampling_params
         n_out = seq.num_output_tokens
-        if n_out >= params.min_tokens:
+        if n_out >= params.min_tokens or (token in seq.eos_token_ids and _grammar_completed(seq)):
             if not params.ignore_eos and token in seq.eos_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .structured.spec import StructuredOutputSpec
 
 
 @dataclass
@@ -30,6 +34,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> additive bias in [-100, 100] (OpenAI)
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (vLLM extra); echo uses it
+    # A grammar the output must match: a StructuredOutputSpec, or vLLM's dict form
+    # ({"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": True}).
+    structured_outputs: StructuredOutputSpec | dict[str, Any] | None = None
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -85,6 +92,7 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
         self._validate_logit_bias()
+        self._validate_structured_outputs()
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
@@ -106,6 +114,18 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {tid!r}")
             if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias: values must be numbers in [-100, 100], got {bias!r} for token {tid}")
+
+    def _validate_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        # imported here: xgrammar loads only for constrained requests
+        from .structured import StructuredOutputSpec, spec_from_request
+
+        if isinstance(so, dict):
+            self.structured_outputs = spec_from_request({"structured_outputs": so})
+        elif not isinstance(so, StructuredOutputSpec):
+            raise ValueError(f"structured_outputs must be a StructuredOutputSpec or a dict, got {type(so).__name__}")
 
     @property
     def greedy(self) -> bool:

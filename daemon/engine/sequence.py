@@ -68,6 +68,9 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # by prompt position, when asked for
     cumulative_logprob: float = 0.0
+    # Structured outputs: the compiled grammar once ready, and this sequence's matcher (made lazily).
+    grammar: Any = None
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -1,12 +1,11 @@
 """kmock's KubernetesEmulator made stricter, closer to what kube-apiserver does on writes.
 
 On top of kmock it records every API call (and what admission and RBAC escalation prevention authorize
-besides), fills in server-owned metadata (uid, creationTimestamp,
-resourceVersion, generation), answers 409 to stale resourceVersions, keeps status and spec apart where
-a resource has a status subresource, serves the scale subresource, speaks the patch types with their
-own semantics, prunes or rejects fields a CRD does not declare, applies CRD defaults, filters lists and
-watches by label selector, and garbage-collects children of deleted owners. README.md lists what is
-still different from a real server.
+besides), fills in server-owned metadata (uid, creationTimestamp, resourceVersion, generation), answers
+409 to stale resourceVersions, keeps status and spec apart where a resource has a status subresource,
+serves the scale subresource, speaks the patch types with their own semantics, prunes or rejects fields a
+CRD does not declare, applies CRD defaults, filters lists and watches by label selector, and
+garbage-collects children of deleted owners. README.md lists what is still different from a real server.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 batched masking of logits (bitmask), on xgrammar."""
 
 from .bitmask import BatchMasker, apply_token_bitmask
-from .compiler import GrammarCompiler, tokenizer_info
+from .compiler import GrammarCompiler, shared_compiler, tokenizer_info
 from .matcher import SequenceMatcher
 from .params import spec_from_request
 from .spec import StructuredOutputError, StructuredOutputSpec
@@ -14,6 +14,7 @@ __all__ = [
     "StructuredOutputError",
     "StructuredOutputSpec",
     "apply_token_bitmask",
+    "shared_compiler",
     "spec_from_request",
     "tokenizer_info",
 ]

@@ -99,3 +99,20 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_shared: dict[tuple[str, int, int], GrammarCompiler] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_compiler(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int] = ()) -> GrammarCompiler:
+    """One compiler (and cache) per vocabulary in this process: the daemon's event loop compiles a
+    request's grammar before submitting it (a bad one is a 400) and the engine thread then finds it
+    cached. Its own tokenizer copy is fine: a compiled grammar depends on the vocabulary only, and
+    matchers take their stop tokens from whoever creates them."""
+    key = (str(getattr(tokenizer, "name_or_path", "")), len(tokenizer), vocab_size)
+    with _shared_lock:
+        hit = _shared.get(key)
+        if hit is None:
+            hit = _shared[key] = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+        return hit
