@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import math
 import os
@@ -198,7 +199,9 @@ async def one_turn(client: openai.AsyncOpenAI, messages: list[dict[str, str]], m
     rec["route"] = raw.headers.get("x-kvpilot-route")
     finished = False
     try:
-        stream = await raw.parse()
+        stream = raw.parse()
+        if inspect.isawaitable(stream):  # openai versions differ on whether a streamed parse() is awaited
+            stream = await stream
         async for chunk in stream:
             if chunk.usage is not None:
                 rec["tokens"] = chunk.usage.completion_tokens
@@ -263,6 +266,9 @@ async def run_workload(work: dict[str, Any], send, limit_s: float) -> tuple[list
     for t in pending:
         t.cancel()
     recs = [r for t in done if not t.cancelled() and t.exception() is None for r in t.result()]
+    # a bug in this script must show as such, not as a smaller run
+    recs.extend({"outcome": "bench_exception", "target": None, "error": repr(t.exception())[:300]}
+                for t in done if not t.cancelled() and t.exception() is not None)
     if pending:
         recs.extend({"outcome": "unfinished_at_limit", "target": None} for _ in pending)
     return recs, time.perf_counter() - t0
@@ -349,7 +355,7 @@ async def kill_check(args: argparse.Namespace, work: dict[str, Any]) -> dict[str
 
         t0 = time.perf_counter()
         kt = asyncio.create_task(killer(t0))
-        recs, wall = await run_workload(work, send, args.mode_limit)
+        recs, wall = await run_workload(work, send, args.kill_limit)
         await kt
         async with aiohttp.ClientSession() as http:
             rm = await scrape(http, router.url)
@@ -475,6 +481,10 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    def save(res: dict[str, Any]) -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
     from kvpilot.router.prompt import load_tokenizer
 
     tok = load_tokenizer(MODEL)
@@ -491,15 +501,21 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "round_robin_is": "client-side strict per-request rotation over the three daemons",
     }
     async with aiohttp.ClientSession() as http:
-        for name in ("router", "round_robin"):
+        for name in ("router", "round_robin") if not args.skip_modes else ():
             res[name] = await mode(name, args, work, http)
             print(f"[{time.strftime('%H:%M:%S')}] {name}: hit {res[name]['prefix_hit_rate']} "
                   f"ttft p50 {res[name]['ttft_s']['p50']} {res[name]['outcomes']}", flush=True)
+            save(res)  # each stage on disk as it ends: a later failure keeps the earlier figures
     if not args.skip_kill:
-        kwork = dict(work, convs=work["convs"][: args.kill_conversations])
-        res["kill"] = await kill_check(args, kwork)
+        # three times the arrival rate, so that several streams are in flight when the replica dies
+        kconvs = [dict(c, start=c["start"] / 3) for c in work["convs"][: args.kill_conversations]]
+        res["kill"] = await kill_check(args, dict(work, convs=kconvs))
+        save(res)
     if not args.skip_zero:
         res["scale_from_zero"] = await scale_from_zero_check(args, work)
+        save(res)
+    if args.skip_modes:
+        return res
     r, b = res["router"], res["round_robin"]
     res["targets"] = {
         "hit_rate_ratio": ratio(r["prefix_hit_rate"], b["prefix_hit_rate"]),
@@ -517,21 +533,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = ap.add_argument
     a("--prompts", type=int, default=8, help="tenants (system prompts)")
-    a("--prompt-tokens", type=int, default=400, help="system prompt length (random tokens)")
-    a("--conversations", type=int, default=18)
+    a("--prompt-tokens", type=int, default=600, help="system prompt length (random tokens)")
+    a("--conversations", type=int, default=15)
     a("--turns", type=int, default=3)
-    a("--rate", type=float, default=0.3, help="conversation arrivals per second (Poisson)")
+    a("--rate", type=float, default=0.25, help="conversation arrivals per second (Poisson)")
     a("--think", type=float, default=2.0, help="mean seconds between a reply and the next turn")
     a("--min-out", type=int, default=8)
     a("--max-out", type=int, default=16)
     a("--seed", type=int, default=0)
     a("--max-num-seqs", type=int, default=4)
-    a("--kv-cache-memory", default="64MiB")
+    a("--kv-cache-memory", default="128MiB")
     a("--dtype", default="float32")
     a("--mode-limit", type=float, default=240.0, help="no new turn starts after this many seconds")
     a("--kill-conversations", type=int, default=12)
-    a("--kill-at", type=float, default=10.0, help="seconds into the kill run")
+    a("--kill-at", type=float, default=15.0, help="seconds into the kill run")
+    a("--kill-limit", type=float, default=90.0, help="no new turn starts after this many seconds (kill run)")
     a("--zero-requests", type=int, default=4)
+    a("--skip-modes", action="store_true", help="only the failure checks (debugging)")
     a("--skip-kill", action="store_true")
     a("--skip-zero", action="store_true")
     a("--out", default=str(RESULTS / "router_chat.json"))
@@ -539,7 +557,7 @@ def main() -> int:
     res = asyncio.run(main_async(args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(markdown(res))
+    print(markdown(res) if not args.skip_modes else json.dumps(res, indent=1)[-3000:])
     return 0
 
 

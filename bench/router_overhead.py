@@ -29,7 +29,8 @@ BODY = {"model": "m", "max_tokens": 8, "messages": [
 
 
 def _upstream(host: str) -> None:
-    from kvpilot.router.testing import FakeReplica
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fake upstream lives there
+    from support.router_fakes import FakeReplica
 
     async def run() -> None:
         rep = await FakeReplica(host=host, name="up").start()

@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from .endpoints import Endpoint
@@ -24,7 +26,9 @@ from .state import RouteKey, RouterState
 log = logging.getLogger("kvpilot.router")
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+                        # aiohttp decodes bodies both ways, so the encoding no longer describes what is sent.
+                        "content-encoding"})
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
 
 
@@ -75,7 +79,13 @@ class Proxy:
                                              sock_connect=config.connect_timeout)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except (RequestPayloadError, HttpProcessingError) as exc:  # e.g. a body labelled gzip that is not
+            resp = error_response(400, f"could not read the request body: {exc}", "invalid_body",
+                                  err_type="invalid_request_error")
+            resp.force_close()  # the rest of the body cannot be read, so the connection cannot be reused
+            return self._count(resp)
         body = _json_object(raw) if request.method == "POST" else None
         with self.state.metrics.overhead.time():
             key = self.state.route_key(request.path, body, request.headers)

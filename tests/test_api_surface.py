@@ -10,6 +10,7 @@ import urllib.request
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from support.daemon_process import DaemonProcess
 
 KEY = "surface-key"

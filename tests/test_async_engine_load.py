@@ -9,6 +9,7 @@ import time
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from support.daemon_process import DaemonProcess
 
 MAX_SEQS = 16

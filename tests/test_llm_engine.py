@@ -109,3 +109,15 @@ def test_cache_salt_keeps_tenants_apart(llm):
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request("salt-bad", prompt_ids, params, cache_salt="")
     assert _all_free(llm)
+
+
+@pytest.mark.slow
+def test_engine_seed_makes_unseeded_sampling_repeatable():
+    def sample(seed: int) -> list[int]:
+        run = LLM(model="builtin://smollm2-135m", num_kv_blocks=64, seed=seed)
+        params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)  # no per-request seed
+        return list(run.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(99) != first

@@ -10,6 +10,7 @@ import re
 import jsonschema
 import openai
 import pytest
+
 from support.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow

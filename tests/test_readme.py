@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from support import serve_flags
 from support.readme_blocks import KINDS, Block, blocks
 

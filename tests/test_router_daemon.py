@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.router.prompt import load_tokenizer
 from kvpilot.router.server import RouterSettings
-from kvpilot.router.testing import RouterServer
 from support.daemon_process import DaemonProcess
+from support.router_fakes import RouterServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

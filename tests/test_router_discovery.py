@@ -17,7 +17,7 @@ from kvpilot.router.endpoints import EndpointSet, SliceWatcher
 from kvpilot.router.kube import KubeClient
 from kvpilot.router.prompt import ByteTokenizer
 from kvpilot.router.server import ENDPOINTS_KEY, RouterSettings
-from kvpilot.router.testing import FakeReplica, RouterServer
+from support.router_fakes import FakeReplica, RouterServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ from kvpilot.router.picker import PickerConfig
 from kvpilot.router.prompt import ByteTokenizer
 from kvpilot.router.proxy import ProxyConfig
 from kvpilot.router.server import ENDPOINTS_KEY, RouterSettings, router_state
-from kvpilot.router.testing import FakeReplica, RouterServer
+from support.router_fakes import FakeReplica, RouterServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -315,5 +315,24 @@ async def test_a_refusing_replica_cools_down_for_new_requests(three):
             await c.completions.create(model="m", prompt=f"p{i}")
         assert len(three[0].requests) == 1  # asked once, then skipped while cooling
         assert await metric(rs, "kvpilot:router_retries_total", cause="503") == 1
+    finally:
+        await rs.stop()
+
+
+async def test_gzip_bodies_are_decoded_once_and_bad_ones_are_a_400(three):
+    import gzip
+    import json
+
+    rs = await router(three)
+    body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2}).encode()
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(rs.url + "/v1/completions", data=gzip.compress(body), headers=headers) as r:
+                assert r.status == 200, await r.text()
+            assert sum(served(three)) == 1  # the replica got plain JSON, not a gzip label on decoded bytes
+            async with s.post(rs.url + "/v1/completions", data=b"not gzip at all", headers=headers) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["type"] == "invalid_request_error"
     finally:
         await rs.stop()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from support.daemon_process import DaemonProcess
 
 from kvpilot.daemon.served_names import served_names
+from support.daemon_process import DaemonProcess
 
 
 def test_builtin_model_is_served_under_its_short_name_with_aliases():

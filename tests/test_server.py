@@ -11,6 +11,7 @@ import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from support.daemon_process import DaemonProcess
 
 KEY = "test-key-123"

@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 import pytest
+
 from support.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ import json
 import aiohttp
 import openai
 import pytest
-from support.daemon_process import DaemonProcess
 
 from kvpilot.daemon.engine.sampling_params import SamplingParams
+from support.daemon_process import DaemonProcess
 
 KEY = "test-key-123"
 NAME = "smollm2"

@@ -65,6 +65,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
         self.config = config or EngineConfig(**kwargs)
         started = time.perf_counter()
+        # Unseeded requests draw from torch's global generator: seeding it makes a whole run repeatable.
+        torch.manual_seed(self.config.seed)
         self.loaded: LoadedModel = load_model(self.config)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.model_name

@@ -139,7 +139,7 @@ class RouterServer:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> RouterServer:
-        from .server import build_app
+        from kvpilot.router.server import build_app
 
         self.app = build_app(self.settings, tokenizer=self.tokenizer)
         self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
