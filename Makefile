@@ -11,7 +11,7 @@ MODEL ?= builtin://smollm2-135m
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve test test-fast bench lint e2e demo readme clean
+.PHONY: install serve test test-fast bench bench-peers lint e2e demo readme clean
 
 install: $(STAMP) $(HELM)
 
@@ -45,6 +45,10 @@ test-fast: install
 bench: install
 	$(PY) bench/throughput.py
 	$(PY) bench/serving.py
+
+# vLLM's CPU build, llama.cpp and HF on the same workloads, each in its own venv under the user cache dir.
+bench-peers: install
+	$(PY) bench/peers.py
 
 lint: install
 	$(VENV)/bin/ruff check .

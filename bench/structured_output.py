@@ -3,8 +3,8 @@ mask cost per token per sequence (xgrammar fill + apply on [rows, vocab] logits)
 constrained requests cost a real LLMEngine batch: all-free vs half-constrained (regex and JSON
 schema), run interleaved so that machine noise hits every configuration alike.
 
-The engine is not wired yet (second wave): masks go in through a sampler wrapper, the same hook
-tests/test_structured_output.py uses. Usage: python bench/structured_output.py [--quick]
+Constrained requests run through the engine's own path (SamplingParams.structured_outputs); the
+engine's mask step and sampler are timed in place. Usage: python bench/structured_output.py [--quick]
 Writes bench/results/structured_output.json."""
 
 from __future__ import annotations
@@ -96,49 +96,48 @@ def mask_costs(llm: LLM, batch_sizes: list[int], reps: int) -> dict:
     return out
 
 
-class TimedGuidedSampler:
-    def __init__(self, eng) -> None:
-        self.inner = eng.sampler
-        self.compiler = GrammarCompiler(eng.tokenizer, eng.vocab_size, eng.loaded.eos_token_ids)
-        self.masker = BatchMasker(eng.vocab_size)
-        self.grammars: dict[int, tuple] = {}
-        self.matchers: dict[int, tuple] = {}
-        self.mask_seconds = 0.0
-        self.sample_seconds = 0.0
-        self.masked_rows = 0
+class EngineTimer:
+    """Times the engine's own mask step and its sampler; constrained requests go in through
+    SamplingParams.structured_outputs, as users send them."""
 
-    def __call__(self, logits, states):
+    def __init__(self, eng) -> None:
+        self.eng = eng
+        self.state = eng.structured_outputs()
+        self.compiler = self.state.compiler
+        self.inner_sampler, self.inner_mask = eng.sampler, self.state.mask
+        self.mask_seconds = self.sample_seconds = 0.0
+        self.masked_rows = 0
+        eng.sampler, self.state.mask = self._sample, self._mask
+
+    def _mask(self, logits, seqs):
         t = time.perf_counter()
-        rows, ms = [], []
-        for i, s in enumerate(states):
-            g = self.grammars.get(id(s.params))
-            if g is None:
-                continue
-            held = self.matchers.setdefault(id(s.output_token_ids), (s.output_token_ids, self.compiler.matcher(g[1])))
-            held[1].sync(s.output_token_ids)
-            rows.append(i)
-            ms.append(held[1])
-        self.masked_rows += len(self.masker.apply(logits, rows, ms))
-        t2 = time.perf_counter()
-        res = self.inner(logits, states)
-        self.mask_seconds += t2 - t
-        self.sample_seconds += time.perf_counter() - t2
+        failed = self.inner_mask(logits, seqs)
+        self.mask_seconds += time.perf_counter() - t
+        self.masked_rows += sum(1 for s in seqs if s.grammar is not None) - len(failed)
+        return failed
+
+    def _sample(self, logits, states):
+        t = time.perf_counter()
+        res = self.inner_sampler(logits, states)
+        self.sample_seconds += time.perf_counter() - t
         return res
 
+    def close(self) -> None:
+        self.eng.sampler = self.inner_sampler
+        del self.state.mask  # back to the class's method
 
-def batch_run(llm: LLM, hook: TimedGuidedSampler, batch: int, constrained: StructuredOutputSpec | None,
+
+def batch_run(llm: LLM, hook: EngineTimer, batch: int, constrained: StructuredOutputSpec | None,
               max_tokens: int) -> dict:
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": f"Describe person number {i}."}],
                                        tokenize=False, add_generation_prompt=True) for i in range(batch)]
     params = []
     for i in range(batch):
-        p = SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True)
-        if constrained is not None and i % 2 == 0:
-            hook.grammars[id(p)] = (p, hook.compiler.compile(constrained))
-        params.append(p)
+        spec = constrained if i % 2 == 0 else None
+        params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True,
+                                     structured_outputs=spec))
     hook.mask_seconds = hook.sample_seconds = 0.0
-    hook.matchers.clear()
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t
@@ -148,16 +147,14 @@ def batch_run(llm: LLM, hook: TimedGuidedSampler, batch: int, constrained: Struc
 
 
 def mixed_batches(llm: LLM, batch: int, max_tokens: int, rounds: int) -> dict:
-    hook = TimedGuidedSampler(llm.engine)
-    llm.engine.sampler = hook
+    hook = EngineTimer(llm.engine)
     configs = {"none": None, "half_regex": LONG_REGEX, "half_json_schema": LONG_JSON}
     runs: dict[str, list[dict]] = {k: [] for k in configs}
     batch_run(llm, hook, batch, None, 8)  # warm-up
     for _ in range(rounds):
         for name, spec in configs.items():  # interleaved: noise hits every config alike
             runs[name].append(batch_run(llm, hook, batch, spec, max_tokens))
-    llm.engine.sampler = hook.inner
-    hook.compiler.shutdown()
+    hook.close()
     out = {}
     base = statistics.median(r["tokens"] / r["wall_s"] for r in runs["none"])
     for name, rs in runs.items():

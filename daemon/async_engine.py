@@ -45,7 +45,7 @@ class Engine(Protocol):
     vocab_size: int
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
-                    priority: int = 0) -> None: ...
+                    priority: int = 0, cache_salt: str | None = None) -> None: ...
     def abort_request(self, request_id: str | Iterable[str]) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
@@ -73,6 +73,7 @@ class Submission:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None
 
 
 # Items a submission's sink receives, besides RequestOutput and an EngineDead exception.
@@ -384,7 +385,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for s in cmd.submissions:
-                engine.add_request(s.request_id, s.prompt_token_ids, s.params, priority=s.priority)
+                engine.add_request(s.request_id, s.prompt_token_ids, s.params, priority=s.priority,
+                                   cache_salt=s.cache_salt)
                 added.append(s.request_id)
         except Exception as exc:  # noqa: BLE001 - a bad request must never stop the loop
             if added:

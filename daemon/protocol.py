@@ -157,6 +157,7 @@ class CompletionRequest:
     logprobs: int | None = None
     priority: int = 0
     max_tokens_set: bool = True
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -169,6 +170,7 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     priority: int = 0
+    cache_salt: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     max_tokens_set: bool = False
@@ -309,6 +311,16 @@ def _priority(f: _Fields) -> int:
     return f.integer("priority", 0, -(2**31), 2**31 - 1)
 
 
+def _cache_salt(f: _Fields) -> str | None:
+    """vLLM's per-request salt: prompts with different salts never share prefix-cache blocks (tenants)."""
+    salt = f.string("cache_salt")
+    if salt is not None and not salt:
+        raise invalid("cache_salt", "'cache_salt' must be a non-empty string", "invalid_value")
+    if salt is not None and len(salt) > 256:
+        raise invalid("cache_salt", "'cache_salt' is longer than 256 characters", "invalid_value")
+    return salt
+
+
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     f = _Fields(body)
     model = _model(f)
@@ -330,7 +342,8 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
                               structured=_structured_spec(body))
     return CompletionRequest(model=model, prompts=prompts, params=params, stream=stream,
                              stream_options=stream_options, echo=echo, logprobs=logprobs,
-                             priority=_priority(f), max_tokens_set=max_tokens_set)
+                             priority=_priority(f), max_tokens_set=max_tokens_set,
+                             cache_salt=_cache_salt(f))
 
 
 def _prompts(v: Any) -> list[str | list[int]]:
@@ -481,6 +494,6 @@ def parse_chat_request(body: dict[str, Any], *, auto_tool_choice: bool = False) 
                               structured=_chat_constraint(tools, tool_choice, parallel, body))
     return ChatRequest(model=model, messages=messages, params=params, stream=stream,
                        stream_options=stream_options, logprobs=logprobs, top_logprobs=top_logprobs or 0,
-                       priority=_priority(f), add_generation_prompt=add_gen, continue_final_message=cont,
+                       priority=_priority(f), cache_salt=_cache_salt(f), add_generation_prompt=add_gen, continue_final_message=cont,
                        max_tokens_set=max_tokens is not None, tools=tools, tool_choice=tool_choice,
                        parallel_tool_calls=bool(parallel))

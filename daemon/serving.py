@@ -115,7 +115,7 @@ class OpenAIServing:
                 texts.append(prompt.text)
             params = processor.fit(len(prompt.token_ids), req.params, param="prompt",
                                    max_tokens_explicit=req.max_tokens_set)
-            subs.append(Submission(f"{rid}-{seq}-{i}", prompt.token_ids, params, req.priority))
+            subs.append(Submission(f"{rid}-{seq}-{i}", prompt.token_ids, params, req.priority, req.cache_salt))
         if len(subs) > self.engine.max_queued_requests:
             raise APIError(f"{len(subs)} prompts in one request exceed the queue limit "
                            f"({self.engine.max_queued_requests})", param="prompt", code="invalid_value")
@@ -135,7 +135,7 @@ class OpenAIServing:
         params = processor.fit(len(ids), req.params, param="messages", max_tokens_explicit=req.max_tokens_set)
         await self._compile_grammar(params)
         rid = self._request_id(request, "chatcmpl")
-        job = RequestState(rid, [Submission(f"{rid}-{next(_seq)}-0", ids, params, req.priority)], req.params.n,
+        job = RequestState(rid, [Submission(f"{rid}-{next(_seq)}-0", ids, params, req.priority, req.cache_salt)], req.params.n,
                            [None])
         request[REQUEST_LOG_FIELDS].update(request_id=rid, stream=req.stream, n=req.params.n)
         fmt = self._chat_format(job, req)

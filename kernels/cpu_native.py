@@ -30,8 +30,11 @@ __all__ = ["available", "supports", "paged_attention", "paged_decode", "build_er
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
-# -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-pthread"]
+# -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
+# compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
+# whole process at load time and so changes every other float computation in it (torch's, Python's).
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
+_LINK_FLAGS = ["-shared", "-pthread"]
 # With OpenMP the kernel shares torch's thread pool (same libgomp.so.1) instead of starting
 # pthreads that compete with torch's spinning workers: decode steps 10-25% faster on 2 cores.
 # Without libgomp (or where linking it fails) the pthread build is used.
@@ -61,18 +64,23 @@ def _build(target: Path, cc: str) -> None:
     # Build beside the target and rename: concurrent processes never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[:-3] + ".o"
     try:
         for extra in (_OPENMP_FLAGS, []):
-            proc = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
+            proc = subprocess.run([cc, "-c", *_COMPILE_FLAGS, *extra, "-o", obj, str(_SOURCE)],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode == 0:
+                proc = subprocess.run([cc, *_LINK_FLAGS, *extra, "-o", tmp, obj, "-lm"], capture_output=True,
+                                      text=True, timeout=120)
             if proc.returncode == 0:
                 break
         else:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -90,7 +98,8 @@ def _load() -> ctypes.CDLL | None:
             _error = "no C compiler on PATH"
             logger.info("native CPU attention kernel unavailable (%s); using the torch reference", _error)
             return None
-        key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS + _OPENMP_FLAGS).encode() + _cpu_signature().encode())
+        flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS + _OPENMP_FLAGS)
+        key = hashlib.sha256(_SOURCE.read_bytes() + flags.encode() + _cpu_signature().encode())
         target = cache_dir() / "kernels" / f"paged_decode_cpu-{key.hexdigest()[:16]}.so"
         try:
             if not target.exists():

@@ -80,5 +80,6 @@ class PromptHasher:
             return list(prompt)
         return None
 
-    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        return hash_prompt_blocks(token_ids, self.block_size)
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        """The engine's keys for these tokens: a salted prompt's blocks are its tenant's alone there too."""
+        return hash_prompt_blocks(token_ids, self.block_size, (cache_salt,) if cache_salt else ())

@@ -82,7 +82,8 @@ class RouterState:
         ids = self.hasher.token_ids(path, body) if self.picker.config.prefix else None
         if not ids:
             return RouteKey(session=session)
-        return RouteKey(self.hasher.hashes(ids), len(ids), session)
+        salt = body.get("cache_salt")
+        return RouteKey(self.hasher.hashes(ids, salt if isinstance(salt, str) else None), len(ids), session)
 
     def _session_key(self, body: dict[str, Any] | None, headers: Mapping[str, str]) -> str | None:
         src = self.session_source

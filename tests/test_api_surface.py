@@ -209,3 +209,26 @@ def test_gateway_metrics(daemon, client):
         assert samples[name].labels == {"model_name": NAME}
     n_buckets = [s for s in fams["vllm:request_params_n"].samples if s.name.endswith("_bucket")]
     assert [s.labels["le"] for s in n_buckets] == ["1.0", "2.0", "5.0", "10.0", "20.0", "+Inf"]
+
+
+def _prefix_hits(daemon) -> float:
+    _, body = daemon.get("/metrics")
+    return sum(s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
+               if s.name == "vllm:prefix_cache_hits_total")
+
+
+def test_cache_salt_keeps_tenants_apart(daemon, client):
+    prompt = "Tenant report: " + " ".join(f"item{i}" for i in range(60))  # several full KV blocks
+    ask = lambda salt: client.completions.create(  # noqa: E731
+        model=NAME, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+    ask("tenant-a")
+    before = _prefix_hits(daemon)
+    ask("tenant-a")  # same tenant: its blocks are reused
+    reused = _prefix_hits(daemon) - before
+    assert reused >= 16
+    before = _prefix_hits(daemon)
+    ask("tenant-b")  # another tenant: nothing of tenant-a's cache is visible
+    assert _prefix_hits(daemon) - before == 0
+    with pytest.raises(openai.BadRequestError) as err:
+        ask("")
+    assert err.value.body["param"] == "cache_salt"

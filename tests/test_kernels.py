@@ -398,6 +398,19 @@ def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
     assert r.stdout.startswith("False 1 disabled"), r.stdout + r.stderr
 
 
+@needs_cc
+def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
+    # A -ffast-math link would switch the process to flush-to-zero on load, changing torch's and Python's
+    # arithmetic everywhere (hypothesis then fails with FloatingPointError in unrelated tests).
+    code = (
+        "import sys, torch; from kvpilot.kernels import cpu_native as c; assert c.available(), c.build_error(); "
+        "print(sys.float_info.min / 2 > 0, (torch.full((1 << 16,), 1e-39) * 1.0).min().item() > 0)"
+    )
+    env = dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.stdout.split() == ["True", "True"], r.stdout + r.stderr
+
+
 # ------------------------------------------------------------------------ Triton (interpreted) tests
 
 

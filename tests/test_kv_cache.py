@@ -11,6 +11,7 @@ from kvpilot.block_hash import hash_prompt_blocks
 from kvpilot.daemon.engine.kv_cache import BlockPool, FreeBlockQueue, KVCacheManager
 from kvpilot.daemon.engine.sampling_params import SamplingParams
 from kvpilot.daemon.engine.sequence import Sequence
+from kvpilot.router.prompt import ByteTokenizer, PromptHasher
 
 BS = 4
 
@@ -120,6 +121,8 @@ def test_manager_hashes_equal_hash_prompt_blocks():
         _admit(kv, seq)
         extra = () if salt is None else (salt,)
         assert kv.tables[seq.seq_id].hashes == hash_prompt_blocks(tokens, BS, extra)
+        # ... and so does the router's own hasher, salt included (it reads the request's cache_salt).
+        assert kv.tables[seq.seq_id].hashes == PromptHasher(ByteTokenizer(), BS).hashes(tokens, salt)
 
 
 def test_cached_free_counter_follows_the_free_queue():

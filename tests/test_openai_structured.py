@@ -72,7 +72,7 @@ def test_json_schema_and_json_object(client, stream):
     jsonschema.validate(json.loads(text), PERSON)
     assert finish == "stop"
     text, _, _ = chat(client, stream, response_format={"type": "json_object"},
-                      messages=[{"role": "user", "content": "A JSON object about Paris."}])
+                      messages=[{"role": "user", "content": 'Return a JSON object with the key "city" set to Paris.'}])
     assert isinstance(json.loads(text), dict)
 
 

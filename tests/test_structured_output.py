@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
@@ -248,3 +249,28 @@ def test_bad_constraints_name_the_field(body, field, words):
     assert info.value.field == field
     assert words in info.value.message
     assert "/project/cpp" not in str(info.value)  # xgrammar's source location is cleaned away
+
+
+# ----------------------------------------------------------------- engine edges
+def test_sampling_params_take_the_vllm_dict_form():
+    assert SamplingParams(structured_outputs={"choice": ["a", "b"]}).structured_outputs == \
+        StructuredOutputSpec.choice(["a", "b"])
+    with pytest.raises(StructuredOutputError):
+        SamplingParams(structured_outputs={"regex": "a(b"})
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs="json")
+
+
+def test_held_requests_abort_and_failed_compiles_finish(llm, monkeypatch):
+    eng = llm.engine
+    params = SamplingParams(n=2, max_tokens=4, structured_outputs={"regex": "[a-z]{3}"})
+    eng.add_request("held-abort", chat(llm, "hi"), params)
+    eng.abort_request("held-abort")
+    assert eng.step() == [] and not eng.has_unfinished_requests()
+    broken: Future = Future()
+    broken.set_exception(StructuredOutputError("structured_outputs.regex", "cannot compile: test"))
+    monkeypatch.setattr(eng.structured_outputs().compiler, "submit", lambda _spec: broken)
+    eng.add_request("held-fail", chat(llm, "hi"), params)
+    (out,) = eng.step()
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["abort", "abort"]
+    assert not eng.has_unfinished_requests()

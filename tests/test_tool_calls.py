@@ -207,3 +207,19 @@ def test_forced_call_arguments_validate(llm, guided, choice):
     deltas = [d for ch in out.text for d in stream.feed(ch)] + stream.finish()
     _, calls = _collect(deltas)
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.name, call.arguments)]
+
+
+def test_merge_deltas_joins_one_steps_pieces_per_call():
+    from kvpilot.daemon.tools.chat_format import merge_deltas
+
+    pieces = [{"content": "Sure. "},
+              {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                               "function": {"name": "get_time", "arguments": ""}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '{"zone": '}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '"CET"}'}}]},
+              {"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                               "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    assert merge_deltas(pieces) == {"content": "Sure. ", "tool_calls": [
+        {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}},
+        {"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+    assert merge_deltas([]) == {}
