@@ -10,13 +10,14 @@ with the daemons restarted between the modes so both start cold. Streamed with t
 (max_retries=0: the client must not hide a lost request).
 Measured: the engines' prefix-cache hit rate (vllm:prefix_cache_hits_total / queries_total deltas, summed
 over replicas), TTFT p50/p99, TPOT p50, output tokens/s, per-replica request counts (max / mean).
-Then two failure checks:
+Also two failure checks (scale from zero runs first, the kill check last):
 - kill: one replica is SIGKILLed mid-load behind the router; every request is classified as completed,
   clear error (an SSE error event or HTTP error), lost before streaming, or silently truncated;
 - scale from zero: the router discovers replicas from EndpointSlices served by the kmock Kubernetes
   emulator (the operator path; a static --endpoints list cannot start empty); requests are sent while
   the Service has no ready endpoint, then one daemon starts and its slice is posted.
-Usage: python bench/router_chat.py [--prompts 8 --prompt-tokens 400 --conversations 18 --turns 3 ...]
+Usage: python bench/router_chat.py [--prompts 8 --prompt-tokens 600 --conversations 15 --turns 3 ...]
+       [--modes router] [--router-flags "--load-cap 1.0"] [--skip-kill] [--skip-zero]
 Writes bench/results/router_chat.json and prints a markdown summary.
 """
 
@@ -286,7 +287,8 @@ async def mode(name: str, args: argparse.Namespace, work: dict[str, Any], http: 
         urls = [d.base_url for d in daemons]
         before = [metric_sums(await scrape(http, u), CACHE_NAMES) for u in urls]
         if name == "router":
-            router = RouterProcess("--endpoints", ",".join(urls), "--tokenizer", MODEL, "--log-level", "info")
+            router = RouterProcess("--endpoints", ",".join(urls), "--tokenizer", MODEL, "--log-level", "info",
+                                   *args.router_flags.split())
             router.start()
             (client,) = clients_for([router.url])
 
@@ -512,6 +514,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "daemon_args": {"max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory,
                         "dtype": args.dtype, "threads": 1},
         "round_robin_is": "client-side strict per-request rotation over the three daemons",
+        "router_flags": args.router_flags,
     }
     if not args.skip_zero:
         # first, in a fresh process state: after the kill check the in-process emulator stopped answering
@@ -522,7 +525,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             res["scale_from_zero"] = {"status": "timed out after 420 s"}
         save(res)
     async with aiohttp.ClientSession() as http:
-        for name in ("router", "round_robin") if not args.skip_modes else ():
+        for name in args.modes.split(",") if not args.skip_modes else ():
             res[name] = await mode(name, args, work, http)
             print(f"[{time.strftime('%H:%M:%S')}] {name}: hit {res[name]['prefix_hit_rate']} "
                   f"ttft p50 {res[name]['ttft_s']['p50']} {res[name]['outcomes']}", flush=True)
@@ -532,7 +535,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         kconvs = [dict(c, start=c["start"] / 3) for c in work["convs"][: args.kill_conversations]]
         res["kill"] = await kill_check(args, dict(work, convs=kconvs))
         save(res)
-    if args.skip_modes:
+    if args.skip_modes or "router" not in res or "round_robin" not in res:
         return res
     r, b = res["router"], res["round_robin"]
     res["targets"] = {
@@ -568,6 +571,8 @@ def main() -> int:
     a("--kill-limit", type=float, default=90.0, help="no new turn starts after this many seconds (kill run)")
     a("--zero-requests", type=int, default=4)
     a("--skip-modes", action="store_true", help="only the failure checks (debugging)")
+    a("--modes", default="router,round_robin", help="which load phases to run")
+    a("--router-flags", default="", help="extra router flags for the router phase, e.g. '--load-cap 0.5'")
     a("--skip-kill", action="store_true")
     a("--skip-zero", action="store_true")
     a("--out", default=str(RESULTS / "router_chat.json"))
@@ -575,7 +580,7 @@ def main() -> int:
     res = asyncio.run(main_async(args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(markdown(res) if not args.skip_modes else json.dumps(res, indent=1)[-3000:])
+    print(markdown(res) if "targets" in res else json.dumps(res, indent=1)[-3000:])
     return 0
 
 

@@ -447,7 +447,7 @@ class NodeAgent:
     async def _final_delete(self, name: str, uid: str | None) -> None:
         """DELETE with grace 0 and the pod's uid: the API server removes the object now."""
         try:
-            if await self.kube.delete(f"{pods(self.ns)}/{name}", grace=0, uid=uid or None):
+            if await self.kube.delete(f"{pods(self.ns)}/{name}", grace_period=0, uid=uid or None):
                 self._record(name, "removed")
         except Exception as e:  # noqa: BLE001 - retried on the next pass while the pod is still there
             self.errors.append(f"final delete of {name}: {type(e).__name__}: {e}")
@@ -459,7 +459,7 @@ class NodeAgent:
         with contextlib.suppress(Exception):
             for p in await self.kube.list(pods(self.ns)):
                 if (p.get("spec") or {}).get("nodeName") == self.node.name:
-                    await self.kube.delete(f"{pods(self.ns)}/{p['metadata']['name']}", grace=0)
+                    await self.kube.delete(f"{pods(self.ns)}/{p['metadata']['name']}", grace_period=0)
         with contextlib.suppress(Exception):
             await self.kube.delete(f"{NODES}/{self.node.name}")
             self._record(self.node.name, "node-deleted")

@@ -59,30 +59,18 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def collection(api_version: str, plural: str, ns: str | None) -> str:
-    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    return f"{base}/namespaces/{ns}/{plural}" if ns else f"{base}/{plural}"
-
-
-def deployments(ns: str) -> str:
-    return collection("apps/v1", "deployments", ns)
-
-
-def pods(ns: str) -> str:
-    return collection("v1", "pods", ns)
-
-
-def events(ns: str) -> str:
-    return collection("v1", "events", ns)
-
-
-def inferencedeployments(ns: str) -> str:
-    return collection(f"{GROUP}/{VERSION}", PLURAL, ns)
+# The path helpers are the operator's, so the runs and the operator name a resource the same way.
+collection = client.collection
+deployments = client.deployments
+pods = client.pods
+events = client.events
+inferencedeployments = client.inferencedeployments
 
 
 class Kube(client.KubeClient):
-    """The shared client (kvpilot.operator.kube), plus what the runs need of an emulated API server and of
-    a kubelet: server-assigned metadata on create, and DELETE with DeleteOptions."""
+    """The shared client (kvpilot.operator.kube), plus what the runs need of an emulated API server:
+    server-assigned metadata on create. A kubelet's DELETE with DeleteOptions is the base's
+    `delete(path, grace_period=, uid=)`."""
 
     def __init__(self, server: str | Callable[[], kopf.ConnectionInfo], session: aiohttp.ClientSession | None = None,
                  emulated: bool = True) -> None:
@@ -99,24 +87,6 @@ class Kube(client.KubeClient):
             meta.setdefault("generation", 1)
             meta["resourceVersion"] = str(next(self._rv))
         return await super().create(collection, obj)
-
-    async def delete(self, path: str, grace: int | None = None, uid: str | None = None) -> bool:
-        """DELETE, optionally with DeleteOptions: a grace period and a uid precondition (a kubelet's final
-        delete names the pod it ran, not a successor of the same name)."""
-        opts: dict[str, Any] | None = None
-        if grace is not None or uid is not None:
-            opts = {"apiVersion": "v1", "kind": "DeleteOptions"}
-            if grace is not None:
-                opts["gracePeriodSeconds"] = grace
-            if uid is not None:
-                opts["preconditions"] = {"uid": uid}
-        try:
-            await self.request("DELETE", path, body=opts)
-            return True
-        except ApiError as e:
-            if e.not_found:
-                return False
-            raise
 
     # --- kubectl-like helpers
 

@@ -304,172 +304,183 @@ async def _phase(rep: Report, name: str, body: Callable[[], Awaitable[None]]) ->
     return True
 
 
-async def _scenarios(cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_stop: asyncio.Event,
-                     trickle_stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
-    ns, name = cfg.namespace, cfg.name
-    agent, load, mon = rep.agent, rep.load, rep.monitor
-    assert agent is not None and load is not None and mon is not None
-    clock = time.monotonic
-    heavy_jobs, trickle_jobs = workload.heavy_jobs(), workload.trickle_jobs()
+class _Scenarios:
+    """The e2e's scenarios in order, each a phase of the report; they share the run's clients and load."""
 
-    def mark(label: str) -> float:
-        rep.marks[label] = clock()
-        return rep.marks[label]
+    def __init__(self, cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_stop: asyncio.Event,
+                 trickle_stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+        self.cfg, self.rep, self.kube, self.operator = cfg, rep, kube, operator
+        self.heavy_stop, self.trickle_stop, self.tasks = heavy_stop, trickle_stop, tasks
+        self.ns, self.name = cfg.namespace, cfg.name
+        assert rep.agent is not None and rep.load is not None and rep.monitor is not None
+        self.agent, self.load, self.mon = rep.agent, rep.load, rep.monitor
+        self.clock = time.monotonic
+        self.heavy_jobs, self.trickle_jobs = workload.heavy_jobs(), workload.trickle_jobs()
 
-    def ready_pods() -> list[str]:
-        return [p.name for p in (mon.samples[-1].pods if mon.samples else []) if p.ready and not p.terminating]
+    def mark(self, label: str) -> float:
+        self.rep.marks[label] = self.clock()
+        return self.rep.marks[label]
 
-    def ok_on(pod: str, since: float) -> int:
-        return sum(1 for r in load.records for a in r.attempts if a.pod == pod and a.outcome == "ok"
+    def ready_pods(self) -> list[str]:
+        return [p.name for p in (self.mon.samples[-1].pods if self.mon.samples else []) if p.ready and not p.terminating]
+
+    def ok_on(self, pod: str, since: float) -> int:
+        return sum(1 for r in self.load.records for a in r.attempts if a.pod == pod and a.outcome == "ok"
                    and a.start >= since)
 
-    async def deployment_replicas() -> int | None:
-        dep = await kube.deployment(ns, name)
+    async def deployment_replicas(self) -> int | None:
+        dep = await self.kube.deployment(self.ns, self.name)
         return (dep or {}).get("spec", {}).get("replicas")
 
-    def operator_alive() -> None:
-        if operator.poll() is not None:
-            raise RuntimeError(f"the operator exited with {operator.returncode}; see {cfg.workdir / 'operator.log'}")
+    def operator_alive(self) -> None:
+        if self.operator.poll() is not None:
+            raise RuntimeError(f"the operator exited with {self.operator.returncode}; see {self.cfg.workdir / 'operator.log'}")
 
     # ---- scenario 1: apply the CR -> one pod ready -> status Ready with url and metrics
-    async def apply() -> None:
-        rep.t0 = mon.t0 = mark("kubectl apply")
-        await kube.apply_cr(ns, e2e_cr(cfg, agent.node))
+    async def apply(self) -> None:
+        self.rep.t0 = self.mon.t0 = self.mark("kubectl apply")
+        await self.kube.apply_cr(self.ns, e2e_cr(self.cfg, self.agent.node))
 
         async def deployment() -> Any:
-            operator_alive()
-            return await kube.deployment(ns, name)
-        rep.deployment_after_apply = await until(deployment, 60, "the operator creates the Deployment")
-        who = "kube-controller-manager (is it running?)" if rep.real_cluster else "the agent's ReplicaSet role"
-        await until(lambda: mon.samples and mon.samples[-1].pods, 60, f"{who} creates a Pod")
-        pods_ = await until(ready_pods, cfg.pod_ready_timeout, "the first pod becomes Ready")
-        rep.first_pod = pods_[0]
-        mark("pod 1 ready")
+            self.operator_alive()
+            return await self.kube.deployment(self.ns, self.name)
+        self.rep.deployment_after_apply = await until(deployment, 60, "the operator creates the Deployment")
+        who = "kube-controller-manager (is it running?)" if self.rep.real_cluster else "the agent's ReplicaSet role"
+        await until(lambda: self.mon.samples and self.mon.samples[-1].pods, 60, f"{who} creates a Pod")
+        pods_ = await until(self.ready_pods, self.cfg.pod_ready_timeout, "the first pod becomes Ready")
+        self.rep.first_pod = pods_[0]
+        self.mark("pod 1 ready")
 
         async def status_ready() -> Any:
-            cr = await kube.cr(ns, name)
+            cr = await self.kube.cr(self.ns, self.name)
             st = (cr or {}).get("status") or {}
             ok = ((condition(cr, "Ready") or {}).get("status") == "True" and st.get("url")
                   and (st.get("metrics") or {}).get("sampledPods", 0) >= 1 and st.get("readyReplicas") == 1)
             return cr if ok else None
-        rep.cr_after_ready = await until(status_ready, 30, "CR status Ready with url and metrics")
-        await load.request(heavy_jobs[0], "smoke")
+        self.rep.cr_after_ready = await until(status_ready, 30, "CR status Ready with url and metrics")
+        await self.load.request(self.heavy_jobs[0], "smoke")
 
     # ---- scenario 2: sustained load -> KV and waiting rise -> >= 2 replicas -> the new pod takes traffic
-    async def scale_up() -> None:
-        t = mark("load starts")
-        tasks.append(asyncio.create_task(
-            load.clients(cfg.heavy_clients, heavy_jobs, "heavy", heavy_stop, deadline=t + 900)))
+    async def scale_up(self) -> None:
+        t = self.mark("load starts")
+        self.tasks.append(asyncio.create_task(
+            self.load.clients(self.cfg.heavy_clients, self.heavy_jobs, "heavy", self.heavy_stop, deadline=t + 900)))
 
         async def scaled() -> bool:
-            operator_alive()
-            return (await deployment_replicas() or 0) >= 2
-        await until(scaled, cfg.scale_up_timeout, "the operator scales to >= 2 replicas")
-        mark("scaled up")
-        pods_ = await until(lambda: len(ready_pods()) >= 2 and ready_pods(), cfg.pod_ready_timeout,
+            self.operator_alive()
+            return (await self.deployment_replicas() or 0) >= 2
+        await until(scaled, self.cfg.scale_up_timeout, "the operator scales to >= 2 replicas")
+        self.mark("scaled up")
+        pods_ = await until(lambda: len(self.ready_pods()) >= 2 and self.ready_pods(), self.cfg.pod_ready_timeout,
                             "a second pod becomes Ready")
-        rep.new_pod = next(p for p in pods_ if p != rep.first_pod)
-        t_ready = mark("pod 2 ready")
-        await until(lambda: ok_on(rep.new_pod, t_ready) >= cfg.new_pod_requests, 180,
-                    f"the new pod answers {cfg.new_pod_requests} requests")
-        mark("pod 2 serving")
-        await asyncio.sleep(cfg.hold_heavy)
+        self.rep.new_pod = next(p for p in pods_ if p != self.rep.first_pod)
+        t_ready = self.mark("pod 2 ready")
+        await until(lambda: self.ok_on(self.rep.new_pod, t_ready) >= self.cfg.new_pod_requests, 180,
+                    f"the new pod answers {self.cfg.new_pod_requests} requests")
+        self.mark("pod 2 serving")
+        await asyncio.sleep(self.cfg.hold_heavy)
 
     # ---- scenario 5: SIGKILL one daemon mid-load -> not ready, no scale-down, the agent restarts it
-    async def sigkill() -> None:
-        victim = rep.first_pod
+    async def sigkill(self) -> None:
+        victim = self.rep.first_pod
         assert victim is not None
-        c = agent.containers[victim]
+        c = self.agent.containers[victim]
         assert c.proc is not None and c.proc.poll() is None, "the daemon to kill is not running"
-        rep.killed_pod, rep.killed_pid = victim, c.proc.pid
-        rep.replicas_at_kill = await deployment_replicas()
-        mark("SIGKILL")
+        self.rep.killed_pod, self.rep.killed_pid = victim, c.proc.pid
+        self.rep.replicas_at_kill = await self.deployment_replicas()
+        self.mark("SIGKILL")
         os.kill(c.proc.pid, signal.SIGKILL)
-        await until(lambda: victim not in ready_pods(), 20, "the killed pod turns not-ready")
-        mark("pod not ready")
-        await until(lambda: victim in ready_pods() and c.restarts >= 1, cfg.pod_ready_timeout,
+        await until(lambda: victim not in self.ready_pods(), 20, "the killed pod turns not-ready")
+        self.mark("pod not ready")
+        await until(lambda: victim in self.ready_pods() and c.restarts >= 1, self.cfg.pod_ready_timeout,
                     "the agent restarts the pod and it is Ready again")
-        t_back = mark("pod restarted")
-        await until(lambda: ok_on(victim, t_back) >= 2, 180, "the restarted pod answers again")
-        mark("restarted pod serving")
+        t_back = self.mark("pod restarted")
+        await until(lambda: self.ok_on(victim, t_back) >= 2, 180, "the restarted pod answers again")
+        self.mark("restarted pod serving")
 
     # ---- scenario 3: load stops -> back to minReplicas after the delay; the removed pod drains
-    async def scale_down() -> None:
-        t = clock()
-        tasks.append(asyncio.create_task(
-            load.clients(cfg.trickle_clients, trickle_jobs, "trickle", trickle_stop, deadline=t + 900,
+    async def scale_down(self) -> None:
+        t = self.clock()
+        self.tasks.append(asyncio.create_task(
+            self.load.clients(self.cfg.trickle_clients, self.trickle_jobs, "trickle", self.trickle_stop, deadline=t + 900,
                          sticky=True)))
-        heavy_stop.set()
-        mark("load stops")
-        bound = cfg.stable_window + cfg.scale_down_delay + 120
+        self.heavy_stop.set()
+        self.mark("load stops")
+        bound = self.cfg.stable_window + self.cfg.scale_down_delay + 120
 
         async def scaled_down() -> bool:
-            operator_alive()
-            return await deployment_replicas() == 1
+            self.operator_alive()
+            return await self.deployment_replicas() == 1
         await until(scaled_down, bound, "the operator scales back to 1 replica")
-        mark("scaled down")
-        deleted = await until(lambda: [e for e in agent.events if e.what == "terminating" and e.t >= t], 30,
+        self.mark("scaled down")
+        deleted = await until(lambda: [e for e in self.agent.events if e.what == "terminating" and e.t >= t], 30,
                               "the ReplicaSet controller deletes a pod")
-        rep.removed_pod = deleted[-1].pod
-        c = agent.containers[rep.removed_pod]
-        await until(lambda: c.gone, cfg.grace_period + 30, "the removed pod's daemon exits")
-        mark("pod removed")
+        self.rep.removed_pod = deleted[-1].pod
+        c = self.agent.containers[self.rep.removed_pod]
+        await until(lambda: c.gone, self.cfg.grace_period + 30, "the removed pod's daemon exits")
+        self.mark("pod removed")
 
         async def settled() -> bool:
-            st = ((await kube.cr(ns, name)) or {}).get("status") or {}
-            return st.get("replicas") == 1 and st.get("readyReplicas") == 1 and len(ready_pods()) == 1
+            st = ((await self.kube.cr(self.ns, self.name)) or {}).get("status") or {}
+            return st.get("replicas") == 1 and st.get("readyReplicas") == 1 and len(self.ready_pods()) == 1
         await until(settled, 30, "the CR status shows 1/1 replicas")
-        if not cfg.rollout:  # otherwise the light load goes on through the rollout
-            trickle_stop.set()
-            await until(lambda: load.inflight == 0, 120, "the last requests finish")
+        if not self.cfg.rollout:  # otherwise the light load goes on through the rollout
+            self.trickle_stop.set()
+            await until(lambda: self.load.inflight == 0, 120, "the last requests finish")
 
     # ---- scenario 6: a spec change -> a rolling update, one new pod before the old one goes, under load
-    async def rollout() -> None:
-        olds = ready_pods()
+    async def rollout(self) -> None:
+        olds = self.ready_pods()
         assert len(olds) == 1, f"the rollout starts from one ready pod, not {olds}"
-        rep.rollout_old_pod = old = olds[0]
-        cr = await kube.cr(ns, name)
-        change: dict[str, Any] = {"spec": {"engine": {"maxQueuedRequests": cfg.rollout_max_queued}}}
-        if kube.emulated:  # a real API server counts spec changes in metadata.generation
+        self.rep.rollout_old_pod = old = olds[0]
+        cr = await self.kube.cr(self.ns, self.name)
+        change: dict[str, Any] = {"spec": {"engine": {"maxQueuedRequests": self.cfg.rollout_max_queued}}}
+        if self.kube.emulated:  # a real API server counts spec changes in metadata.generation
             change["metadata"] = {"generation": int(cr["metadata"].get("generation", 1)) + 1}
-        mark("spec change")
-        await kube.patch(f"{inferencedeployments(ns)}/{name}", change)
-        flag = ["--max-queued-requests", str(cfg.rollout_max_queued)]
+        self.mark("spec change")
+        await self.kube.patch(f"{inferencedeployments(self.ns)}/{self.name}", change)
+        flag = ["--max-queued-requests", str(self.cfg.rollout_max_queued)]
 
         async def new_template() -> Any:
-            operator_alive()
-            dep = await kube.deployment(ns, name)
+            self.operator_alive()
+            dep = await self.kube.deployment(self.ns, self.name)
             args = (dep or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0]
             a = args.get("args", [])
             return dep if any(a[i:i + 2] == flag for i in range(len(a))) else None
-        rep.deployment_after_rollout = await until(new_template, 60, "the operator writes the new pod template")
-        news = await until(lambda: [p for p in ready_pods() if p != old], cfg.pod_ready_timeout,
+        self.rep.deployment_after_rollout = await until(new_template, 60, "the operator writes the new pod template")
+        news = await until(lambda: [p for p in self.ready_pods() if p != old], self.cfg.pod_ready_timeout,
                            "the rollout's new pod becomes Ready")
-        rep.rollout_new_pod = news[0]
-        t_ready = mark("rollout pod ready")
-        c = await until(lambda: agent.containers.get(old) if agent.containers.get(old)
-                        and agent.containers[old].gone else None, cfg.grace_period + 60,
+        self.rep.rollout_new_pod = news[0]
+        t_ready = self.mark("rollout pod ready")
+        c = await until(lambda: self.agent.containers.get(old) if self.agent.containers.get(old)
+                        and self.agent.containers[old].gone else None, self.cfg.grace_period + 60,
                         "the rollout removes the old pod")
         assert c.deleted_at is not None
-        mark("rollout done")
-        await until(lambda: ok_on(rep.rollout_new_pod, t_ready) >= cfg.new_pod_requests, 180,
+        self.mark("rollout done")
+        await until(lambda: self.ok_on(self.rep.rollout_new_pod, t_ready) >= self.cfg.new_pod_requests, 180,
                     "the rollout's new pod answers")
 
         async def settled() -> Any:
-            cr = await kube.cr(ns, name)
+            cr = await self.kube.cr(self.ns, self.name)
             st = (cr or {}).get("status") or {}
-            ok = (st.get("replicas") == 1 and st.get("readyReplicas") == 1 and len(ready_pods()) == 1
+            ok = (st.get("replicas") == 1 and st.get("readyReplicas") == 1 and len(self.ready_pods()) == 1
                   and st.get("observedGeneration") == cr["metadata"].get("generation"))
             return cr if ok else None
-        rep.cr_after_rollout = await until(settled, 60, "the CR status shows the new generation, 1/1 replicas")
-        trickle_stop.set()
-        await until(lambda: load.inflight == 0, 120, "the last requests finish")
+        self.rep.cr_after_rollout = await until(settled, 60, "the CR status shows the new generation, 1/1 replicas")
+        self.trickle_stop.set()
+        await until(lambda: self.load.inflight == 0, 120, "the last requests finish")
 
-    await _phase(rep, "apply", apply)
-    await _phase(rep, "scale-up", scale_up)
-    if cfg.kill:
-        await _phase(rep, "sigkill", sigkill)
-    await _phase(rep, "scale-down", scale_down)
-    if cfg.rollout:
-        await _phase(rep, "rollout", rollout)
-    mon.phase = "end"
+    async def run(self) -> None:
+        await _phase(self.rep, "apply", self.apply)
+        await _phase(self.rep, "scale-up", self.scale_up)
+        if self.cfg.kill:
+            await _phase(self.rep, "sigkill", self.sigkill)
+        await _phase(self.rep, "scale-down", self.scale_down)
+        if self.cfg.rollout:
+            await _phase(self.rep, "rollout", self.rollout)
+        self.mon.phase = "end"
+
+
+async def _scenarios(cfg: Config, rep: Report, kube: Kube, operator: Any, heavy_stop: asyncio.Event,
+                     trickle_stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    await _Scenarios(cfg, rep, kube, operator, heavy_stop, trickle_stop, tasks).run()

@@ -286,40 +286,23 @@ def collection(api_version: str, plural: str, ns: str | None = None) -> str:
     return f"{base}/namespaces/{ns}/{plural}" if ns else f"{base}/{plural}"
 
 
-def deployments(ns: str) -> str:
-    return collection("apps/v1", "deployments", ns)
+def _namespaced(api_version: str, plural: str) -> Callable[[str], str]:
+    """The path helper of one resource kind: ns -> the collection path in that namespace."""
+    def path(ns: str) -> str:
+        return collection(api_version, plural, ns)
+    return path
 
 
-def services(ns: str) -> str:
-    return collection("v1", "services", ns)
-
-
-def pdbs(ns: str) -> str:
-    return collection("policy/v1", "poddisruptionbudgets", ns)
-
-
-def pods(ns: str) -> str:
-    return collection("v1", "pods", ns)
-
-
-def serviceaccounts(ns: str) -> str:
-    return collection("v1", "serviceaccounts", ns)
-
-
-def roles(ns: str) -> str:
-    return collection("rbac.authorization.k8s.io/v1", "roles", ns)
-
-
-def rolebindings(ns: str) -> str:
-    return collection("rbac.authorization.k8s.io/v1", "rolebindings", ns)
-
-
-def inferencepools(ns: str) -> str:
-    return collection("inference.networking.k8s.io/v1", "inferencepools", ns)
-
-
-def events(ns: str) -> str:
-    return collection("v1", "events", ns)
+# One line a kind, so a new kind is one more row, not one more function.
+deployments = _namespaced("apps/v1", "deployments")
+services = _namespaced("v1", "services")
+pdbs = _namespaced("policy/v1", "poddisruptionbudgets")
+pods = _namespaced("v1", "pods")
+serviceaccounts = _namespaced("v1", "serviceaccounts")
+roles = _namespaced("rbac.authorization.k8s.io/v1", "roles")
+rolebindings = _namespaced("rbac.authorization.k8s.io/v1", "rolebindings")
+inferencepools = _namespaced("inference.networking.k8s.io/v1", "inferencepools")
+events = _namespaced("v1", "events")
 
 
 def inferencedeployments(ns: str | None = None) -> str:

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefix", action=argparse.BooleanOptionalAction, default=True, help="prefix affinity")
     a("--load", action=argparse.BooleanOptionalAction, default=True, help="scraped load and the load cap")
     a("--session", default="off", help="session affinity: off, user (the body's `user`) or header:<Name>")
-    a("--load-cap", type=float, default=0.25, help="affinity may put a replica this share above the mean")
+    a("--load-cap", type=float, default=PickerConfig.load_cap, help="affinity may put a replica this share above the mean")
     a("--kv-full", type=float, default=0.95, help="KV usage above which a replica takes no affinity traffic")
     a("--hash-blocks", type=int, default=1, help="leading blocks that seed the consistent hash")
     a("--index-blocks", type=int, default=200_000, help="block hashes the prefix index remembers")

@@ -148,8 +148,14 @@ class Proxy:
                     return await self._refused(up, ep, att)
                 st.accepted(key, ep, d)
                 if "text/event-stream" in up.headers.get("Content-Type", ""):
+                    # Until the first token the client has seen nothing, so a replica that dies while the
+                    # request is only queued there (the daemon sends headers and a role chunk at once)
+                    # is retried like a refused connection.
+                    head = await _until_first_token(up)
+                    if head is None:
+                        return self._failed(ep, att, "connect_error", "the stream ended before its first token")
                     att.started = True
-                    return await self._stream(request, up, ep, d)
+                    return await self._stream(request, up, ep, d, head)
                 body = await up.read()  # a whole JSON answer: small, and retryable until it is complete
                 return self._plain(up, body, ep, d)
         except UPSTREAM_ERRORS as exc:
@@ -188,12 +194,13 @@ class Proxy:
         return web.Response(status=up.status, body=body, headers=headers)
 
     async def _stream(self, request: web.Request, up: aiohttp.ClientResponse, ep: Endpoint,
-                      d: Decision) -> web.StreamResponse:
+                      d: Decision, head: bytes) -> web.StreamResponse:
         headers = _forward_headers(up.headers)
         headers["X-Kvpilot-Endpoint"], headers["X-Kvpilot-Route"] = ep.name, d.reason
         resp = web.StreamResponse(status=up.status, headers=headers)
         await resp.prepare(request)
-        tail = b""
+        await resp.write(head)
+        tail = head[-32:]
         error: str | None = None
         while True:
             try:
@@ -219,6 +226,36 @@ class Proxy:
                          "type": "service_unavailable_error", "param": None, "code": "replica_failed"}}
         # a blank line first ends any event the replica left half-written
         await resp.write(b"\n\ndata: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+
+
+async def _until_first_token(up: aiohttp.ClientResponse) -> bytes | None:
+    """What the replica streams up to and including its first event that carries output (or an error, or
+    [DONE]); None when the stream ends before one. Raises the upstream's errors."""
+    buf = b""
+    while True:
+        chunk = await up.content.readany()
+        if not chunk:
+            return buf if b"[DONE]" in buf else None
+        buf += chunk
+        events = buf.replace(b"\r\n", b"\n").split(b"\n\n")[:-1]  # the last part may be incomplete
+        if any(_carries_output(e) for e in events):
+            return buf
+
+
+def _carries_output(event: bytes) -> bool:
+    """False only for a role-only chat chunk: everything else (text, tool calls, an error, a finish, usage,
+    [DONE], or something unparsable) is something the client must see as it is."""
+    data = event.strip().removeprefix(b"data:").strip()
+    if not data:
+        return False
+    obj = _json_object(data)
+    if obj is None or "error" in obj or obj.get("usage"):
+        return True
+    for choice in obj.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if choice.get("finish_reason") or choice.get("text") or any(v for k, v in delta.items() if k != "role"):
+            return True
+    return not obj.get("choices")
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:

@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.engine import LLM, BeamSearchParams, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model="builtin://smollm2-135m", num_kv_blocks=256)
-
-
-def _all_free(llm: LLM) -> bool:
-    stats = llm.engine.get_stats()
-    return stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0 and stats.num_waiting == 0
+from kvpilot.daemon.engine import BeamSearchParams, SamplingParams
+from support.engine import all_free
 
 
 def test_generate_text_and_token_prompts(llm):
@@ -25,7 +16,7 @@ def test_generate_text_and_token_prompts(llm):
     again = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert again[0].outputs[0].finish_reason == "length"
-    assert _all_free(llm)
+    assert all_free(llm)
 
 
 def test_one_params_per_prompt(llm):
@@ -62,7 +53,7 @@ def test_prompt_too_long_is_rejected_and_leaks_nothing(llm):
         llm.generate({"prompt_token_ids": [-3]}, SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert _all_free(llm)
+    assert all_free(llm)
 
 
 def test_stop_string_and_stop_token(llm):
@@ -102,4 +93,4 @@ def test_beam_search_returns_ranked_beams(llm):
                           use_tqdm=False)[0].outputs[0]
     # The best beam is at least as likely as the greedy path.
     assert out.sequences[0].cum_logprob >= greedy.cumulative_logprob - 1e-3 or len(out.sequences[0].generated) < 6
-    assert _all_free(llm)
+    assert all_free(llm)

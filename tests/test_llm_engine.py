@@ -6,18 +6,9 @@ import pytest
 
 from kvpilot.daemon.engine import LLM, EngineConfig, SamplingParams
 from kvpilot.daemon.engine.llm_engine import LLMEngine
+from support.engine import all_free
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model="builtin://smollm2-135m", num_kv_blocks=256)
-
-
-def _all_free(llm: LLM) -> bool:
-    stats = llm.engine.get_stats()
-    return stats.num_free_blocks == stats.num_total_blocks and stats.num_running == 0 and stats.num_waiting == 0
 
 
 def test_n4_shares_prompt_blocks(llm):
@@ -40,7 +31,7 @@ def test_n4_shares_prompt_blocks(llm):
             outputs = out
     assert outputs is not None and outputs.finished and len(outputs.outputs) == 4
     assert len({tuple(o.token_ids) for o in outputs.outputs}) > 1, "4 samples should not all be identical"
-    assert _all_free(llm)
+    assert all_free(llm)
 
 
 def test_repeated_prompt_hits_prefix_cache(llm):
@@ -73,7 +64,7 @@ def test_abort_frees_everything(llm):
     engine.abort_request([f"ab{i}" for i in range(4)])
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
-    assert _all_free(llm)
+    assert all_free(llm)
 
 
 def test_priority_policy_runs_important_first():
@@ -108,7 +99,7 @@ def test_cache_salt_keeps_tenants_apart(llm):
     assert cached_tokens("salt-a2", "tenant-a") == 4 * BS
     with pytest.raises(ValueError, match="cache_salt"):
         engine.add_request("salt-bad", prompt_ids, params, cache_salt="")
-    assert _all_free(llm)
+    assert all_free(llm)
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ def test_load_cap_stops_affinity_and_spill_follows_the_hash_ranking():
     h = hashes(7)
     rank = rendezvous_rank(NAMES, h, 1)
     loads = [EndpointLoad(n, inflight=10 if n == rank[0] else 1) for n in NAMES]
-    # mean is (13+1)/4 = 3.5; cap ceil(1.25*3.5)=5: the owner (10) is over it, the prefix holder too
+    # mean is (13+1)/4 = 3.5; cap ceil(2*3.5)=7: the owner (10) is over it, the prefix holder too
     d = Picker().pick(loads, h, cached={rank[0]: 4})
     assert d is not None and d.endpoint == rank[1] and d.reason == "load"
     # a large cap lets affinity win again

@@ -186,6 +186,25 @@ async def test_stream_cut_by_replica_ends_with_an_error_event(three):
         await rs.stop()
 
 
+async def test_a_replica_dying_before_the_first_token_is_retried(three):
+    # The daemon sends headers and a role chunk as soon as it queues a request: dying then loses nothing.
+    for r in three:
+        r.behaviour.role_chunk = True
+    rs = await router(three)
+    try:
+        first = await client(rs).chat.completions.create(model="m", messages=chat("hi"), stream=True)
+        owner = [r for r in three if r.requests][0]
+        _ = [c async for c in first]
+        owner.behaviour.die_after = 0  # the replica that has this prefix now dies right after the role chunk
+        stream = await client(rs).chat.completions.create(model="m", messages=chat("hi"), stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text and owner.name not in text  # another replica answered, in full
+        assert await metric(rs, "kvpilot:router_retries_total", cause="connect_error") == 1
+        assert await metric(rs, "kvpilot:router_stream_errors_total") == 0
+    finally:
+        await rs.stop()
+
+
 async def test_429_from_every_replica_is_429_with_retry_after(three):
     for i, r in enumerate(three):
         r.behaviour.status, r.behaviour.retry_after = 429, str(3 + i)

@@ -13,25 +13,14 @@ import openai
 import pytest
 
 from kvpilot.daemon.engine.sampling_params import SamplingParams
-from support.daemon_process import DaemonProcess
-
-KEY = "test-key-123"
-NAME = "smollm2"
-ALIAS = "smol-alias"
-KV = "128MiB"
-# One intra-op thread: with two OpenMP threads on a 2-core box, any other busy process (this test client,
-# the reference LLM) stalls every GEMM at its barrier; one thread is steady.
-ONE_THREAD = {"KVPILOT_NUM_THREADS": "1"}
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+from support.api_daemon import ALIAS, KEY, NAME, PROMPTS, api_daemon
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = DaemonProcess("--api-key", KEY, "--served-model-name", NAME, ALIAS, "--max-num-seqs", "16",
-                      "--kv-cache-memory", KV, "--max-queued-requests", "64", env=ONE_THREAD)
-    with d:
+    with api_daemon() as d:
         yield d
 
 

@@ -59,11 +59,6 @@ class GuidedSampler:
         del self.state.mask  # back to the class's method
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model=MODEL, num_kv_blocks=256)
-
-
 @pytest.fixture
 def guided(llm):
     g = GuidedSampler(llm.engine)

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from test_structured_output import GuidedSampler, run
 
-from kvpilot.daemon.engine import LLM, SamplingParams
+from kvpilot.daemon.engine import SamplingParams
 from kvpilot.daemon.engine.structured import StructuredOutputError
 from kvpilot.daemon.tools import (
     HermesStreamParser,
@@ -152,11 +152,6 @@ def test_message_tool_fields():
 
 
 # ----------------------------------------------------------------- the real model
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model="builtin://smollm2-135m", num_kv_blocks=256)
-
-
 @pytest.fixture
 def guided(llm):
     g = GuidedSampler(llm.engine)

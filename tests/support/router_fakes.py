@@ -26,6 +26,7 @@ class ReplicaBehaviour:
     chunks: int = 3  # streamed content chunks
     chunk_delay: float = 0.0
     die_after: int | None = None  # close the connection after this many streamed chunks
+    role_chunk: bool = False  # start chat streams with a role-only chunk, as the daemon does
     gate: asyncio.Event | None = None  # the second chunk waits for this (proves unbuffered streaming)
     kv: float = 0.0
     waiting: float = 0.0
@@ -75,6 +76,10 @@ class FakeReplica:
         b = self.behaviour
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        if chat and b.role_chunk:
+            role = self._chunk(chat, "")
+            role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            await resp.write(_sse(role))
         for i in range(b.chunks):
             if b.die_after is not None and i >= b.die_after:
                 assert request.transport is not None
