@@ -67,21 +67,17 @@ def parse_json_body(raw: bytes | str) -> dict[str, Any]:
     return body
 
 
+# JSON's names for Python's types; bool before int, since a bool is an int in Python.
+_JSON_TYPE_NAMES: tuple[tuple[type, str], ...] = (
+    (type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+    (list, "array"), (dict, "object"),
+)
+
+
 def _type_name(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, dict):
-        return "object"
+    for t, name in _JSON_TYPE_NAMES:
+        if isinstance(v, t):
+            return name
     return type(v).__name__
 
 

@@ -65,6 +65,12 @@ def _reason(exc: Exception) -> str:
     return getattr(cause, "message", None) or str(cause).strip() or type(cause).__name__
 
 
+def _key_path(path: str, key: str) -> str:
+    if not key:  # an empty key still needs a visible name in the error's param
+        return f'{path}[""]'
+    return key if path == "body" else f"{path}.{key}"
+
+
 def find_unpaired_surrogate(value: Any) -> str | None:
     """The path (e.g. messages[0].content) of the first string or key holding a lone surrogate.
 
@@ -78,7 +84,7 @@ def find_unpaired_surrogate(value: Any) -> str | None:
                 return path
         elif isinstance(v, dict):
             for k, item in v.items():
-                sub = k if path == "body" else f"{path}.{k}"
+                sub = _key_path(path, k)
                 if _SURROGATE.search(k):
                     return path
                 stack.append((sub, item))

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.listen import start_app
 from kvpilot.version import __version__
 
 from .args import ServeArgs
@@ -268,14 +269,7 @@ async def serve(args: ServeArgs) -> int:
     """Run until SIGTERM/SIGINT. Exit code 0 after a drain, 1 if the model fails to load."""
     app = build_app(args)
     st = server_state(app)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
-    await site.start()
-    port = args.port
-    for address in runner.addresses:  # port 0: report the one the OS picked
-        port = address[1]
+    runner, port = await start_app(app, args.host, args.port, shutdown_timeout=5.0)
     log.info("listening", extra={"fields": {"host": args.host, "port": port, "model": args.model}})
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

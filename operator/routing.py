@@ -48,6 +48,11 @@ def _metadata(meta: dict[str, Any], name: str, labels: dict[str, str]) -> dict[s
             "ownerReferences": [r.owner_reference(meta)]}
 
 
+def _router_metadata(meta: dict[str, Any]) -> dict[str, Any]:
+    """The metadata of every router object: one name (the router's), its labels, owned by the CR."""
+    return _metadata(meta, router_name(meta["name"]), router_labels(meta["name"]))
+
+
 def router_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     args = [
         "--host", "0.0.0.0",
@@ -121,7 +126,7 @@ def render_router_deployment(meta: dict[str, Any], spec: dict[str, Any]) -> dict
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(meta, router_name(name), router_labels(name)),
+        "metadata": _router_metadata(meta),
         "spec": {
             "replicas": spec["router"]["replicas"],
             "selector": {"matchLabels": router_selector_labels(name)},
@@ -137,7 +142,7 @@ def render_router_pdb(meta: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(meta, router_name(name), router_labels(name)),
+        "metadata": _router_metadata(meta),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": router_selector_labels(name)}},
     }
 
@@ -158,9 +163,7 @@ def render_daemons_service(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def render_service_account(meta: dict[str, Any]) -> dict[str, Any]:
-    name = meta["name"]
-    return {"apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": _metadata(meta, router_name(name), router_labels(name))}
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _router_metadata(meta)}
 
 
 # What the router's discovery calls (router/endpoints.py): list, then watch; get for single slices. The
@@ -170,9 +173,8 @@ ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslice
 
 
 def render_role(meta: dict[str, Any]) -> dict[str, Any]:
-    name = meta["name"]
     return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": _metadata(meta, router_name(name), router_labels(name)),
+            "metadata": _router_metadata(meta),
             "rules": [dict(rule) for rule in ROUTER_RULES]}
 
 
@@ -181,7 +183,7 @@ def render_role_binding(meta: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": _metadata(meta, router_name(name), router_labels(name)),
+        "metadata": _router_metadata(meta),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router_name(name)},
         "subjects": [{"kind": "ServiceAccount", "name": router_name(name), "namespace": meta["namespace"]}],
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -15,6 +15,7 @@ from kvpilot.operator.autoscaler import Observation, PodSample, RouterSample
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+S = TypeVar("S")  # a sample type: PodSample or RouterSample
 
 METRICS_PORT_ANNOTATION = "kvpilot.io/metrics-port"
 METRICS_PATH_ANNOTATION = "kvpilot.io/metrics-path"
@@ -101,36 +102,33 @@ class ScrapeResult:
     errors: dict[str, str]  # pod -> why its scrape failed
 
 
-async def scrape(session: aiohttp.ClientSession, targets: Iterable[Target], not_ready: int,
-                 names: dict[str, str], timeout: float = 2.0) -> ScrapeResult:
-    targets = list(targets)
-    results = await asyncio.gather(*(scrape_one(session, t, names, timeout) for t in targets),
-                                   return_exceptions=True)
-    samples, errors = [], {}
+async def _gather(targets: list[Target], fetch_one: Callable[[Target], Awaitable[Any]],
+                  kind: type[S]) -> tuple[list[S], dict[str, str]]:
+    """Every target at once; the samples, and pod -> why its scrape failed (a ScrapeError: a pod problem)."""
+    results = await asyncio.gather(*(fetch_one(t) for t in targets), return_exceptions=True)
+    samples: list[S] = []
+    errors: dict[str, str] = {}
     for t, r in zip(targets, results, strict=True):
-        if isinstance(r, PodSample):
+        if isinstance(r, kind):
             samples.append(r)
         elif isinstance(r, ScrapeError):
             errors[t.pod] = str(r)
         else:
             raise r  # a bug, not a pod problem
+    return samples, errors
+
+
+async def scrape(session: aiohttp.ClientSession, targets: Iterable[Target], not_ready: int,
+                 names: dict[str, str], timeout: float = 2.0) -> ScrapeResult:
+    samples, errors = await _gather(list(targets), lambda t: scrape_one(session, t, names, timeout), PodSample)
     return ScrapeResult(Observation(samples=tuple(samples), failed=len(errors), not_ready=not_ready), errors)
 
 
 async def scrape_routers(session: aiohttp.ClientSession, targets: Iterable[Target],
                          timeout: float = 2.0) -> tuple[tuple[RouterSample, ...], dict[str, str]]:
     """The routers' samples, and pod -> why its scrape failed."""
-    targets = list(targets)
-    results = await asyncio.gather(*(fetch(session, t, timeout, parse_router_metrics) for t in targets),
-                                   return_exceptions=True)
-    samples, errors = [], {}
-    for t, r in zip(targets, results, strict=True):
-        if isinstance(r, RouterSample):
-            samples.append(r)
-        elif isinstance(r, ScrapeError):
-            errors[t.pod] = str(r)
-        else:
-            raise r
+    samples, errors = await _gather(list(targets), lambda t: fetch(session, t, timeout, parse_router_metrics),
+                                    RouterSample)
     return tuple(samples), errors
 
 

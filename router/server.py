@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from kvpilot.listen import start_app
+
 from .endpoints import EndpointSet, SliceWatcher, parse_static
 from .kube import KubeClient, current_namespace
 from .metrics import CONTENT_TYPE, RouterMetrics
@@ -131,14 +133,7 @@ def router_state(app: web.Application) -> RouterState:
 async def serve(settings: RouterSettings) -> int:
     """Run until SIGTERM/SIGINT."""
     app = build_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=10.0)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
-    await site.start()
-    port = settings.port
-    for sock in getattr(site._server, "sockets", None) or []:  # noqa: SLF001 - port 0: the one the OS picked
-        port = sock.getsockname()[1]
+    runner, port = await start_app(app, settings.host, settings.port, shutdown_timeout=10.0)
     log.info("listening", extra={"fields": {"host": settings.host, "port": port}})
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -207,3 +207,8 @@ async def test_fuzzed_requests_never_5xx(daemon, body, path):
         assert r.status < 500, (path, body, r.status, text)
         if r.status >= 400:
             assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_surrogate_under_an_empty_key_is_still_named():
+    assert find_unpaired_surrogate({"": {"\ud800": None}}) == 'body[""]'
+    assert find_unpaired_surrogate({"": {"x": "\udfff"}}) == 'body[""].x'

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -383,6 +384,13 @@ def test_dispatch_picks_native_cpu_for_float32(monkeypatch):
         K.paged_attention(*bf16.args())
 
 
+def _python_with_cache(code: str, cache: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code args` in a fresh process (what is loaded at import shows there) with its own
+    KVPILOT_CACHE_DIR, so the kernel is built as on a clean machine."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=dict(os.environ, KVPILOT_CACHE_DIR=str(cache), **env))
+
+
 @needs_cc
 def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
     # what a clean machine does on first use: compile, cache, load; KVPILOT_CPU_KERNEL=0 opts out
@@ -390,11 +398,9 @@ def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
         "import pathlib, sys; from kvpilot.kernels import cpu_native as c; "
         "print(c.available(), len(list(pathlib.Path(sys.argv[1]).glob('kernels/*.so'))), c.build_error())"
     )
-    env = dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    r = _python_with_cache(code, tmp_path, str(tmp_path))
     assert r.stdout.split()[:2] == ["True", "1"], r.stdout + r.stderr
-    env["KVPILOT_CPU_KERNEL"] = "0"
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    r = _python_with_cache(code, tmp_path, str(tmp_path), KVPILOT_CPU_KERNEL="0")
     assert r.stdout.startswith("False 1 disabled"), r.stdout + r.stderr
 
 
@@ -406,8 +412,7 @@ def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
         "import sys, torch; from kvpilot.kernels import cpu_native as c; assert c.available(), c.build_error(); "
         "print(sys.float_info.min / 2 > 0, (torch.full((1 << 16,), 1e-39) * 1.0).min().item() > 0)"
     )
-    env = dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    r = _python_with_cache(code, tmp_path)
     assert r.stdout.split() == ["True", "True"], r.stdout + r.stderr
 
 

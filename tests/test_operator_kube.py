@@ -10,6 +10,7 @@ import kopf
 import pytest
 
 from kvpilot.operator import kube
+from support.web_app import serving, start_app
 
 pytestmark = pytest.mark.timeout(30)
 DEP = "/apis/apps/v1/namespaces/ml/deployments"
@@ -69,11 +70,8 @@ class ApiServer:
         app = aiohttp.web.Application()
         app.router.add_route("*", DEP, self.handle)
         app.router.add_route("*", DEP + "/{name}", self.handle)
-        self._runner = aiohttp.web.AppRunner(app)
-        await self._runner.setup()
-        site = aiohttp.web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+        self._runner, port = await start_app(app)
+        self.url = f"http://127.0.0.1:{port}"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -192,17 +190,9 @@ async def test_delete_sends_delete_options():
 
     app = aiohttp.web.Application()
     app.router.add_delete("/api/v1/namespaces/ml/pods/{name}", handle)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
-    try:
-        async with kube.KubeClient(url) as k:
-            assert await k.delete("/api/v1/namespaces/ml/pods/p") is True
-            assert await k.delete("/api/v1/namespaces/ml/pods/p", grace_period=0, uid="u-1",
-                                  propagation="Foreground") is True
-    finally:
-        await runner.cleanup()
+    async with serving(app) as port, kube.KubeClient(f"http://127.0.0.1:{port}") as k:
+        assert await k.delete("/api/v1/namespaces/ml/pods/p") is True
+        assert await k.delete("/api/v1/namespaces/ml/pods/p", grace_period=0, uid="u-1",
+                              propagation="Foreground") is True
     assert seen == [None, {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
                            "preconditions": {"uid": "u-1"}, "propagationPolicy": "Foreground"}]

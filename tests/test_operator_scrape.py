@@ -20,6 +20,7 @@ from kvpilot.operator.scrape import (
     split_pods,
 )
 from operator_support.harness import MetricsServer
+from support.web_app import serving
 
 PAGE = """# TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{model_name="m"} 0.42
@@ -74,26 +75,18 @@ async def test_scrape_concurrently_with_failures_and_timeouts():
 
     app = aiohttp.web.Application()
     app.router.add_get("/metrics", slow)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.4", 0)
-    await site.start()
-    slow_port = site._server.sockets[0].getsockname()[1]
-    try:
-        async with MetricsServer("127.0.0.2") as ok, MetricsServer("127.0.0.3") as broken, \
-                aiohttp.ClientSession() as session:
-            ok.kv, ok.waiting = 0.5, 2
-            broken.fail = True
-            targets = [Target("ok", f"http://127.0.0.2:{ok.port}/metrics"),
-                       Target("broken", f"http://127.0.0.3:{broken.port}/metrics"),
-                       Target("slow", f"http://127.0.0.4:{slow_port}/metrics"),
-                       Target("closed", "http://127.0.0.5:9/metrics")]
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            result = await scrape(session, targets, not_ready=1, names=DEFAULT_NAMES, timeout=0.5)
-            assert loop.time() - started < 2.0  # concurrent, bounded by the timeout
-    finally:
-        await runner.cleanup()
+    async with serving(app, "127.0.0.4") as slow_port, MetricsServer("127.0.0.2") as ok, \
+            MetricsServer("127.0.0.3") as broken, aiohttp.ClientSession() as session:
+        ok.kv, ok.waiting = 0.5, 2
+        broken.fail = True
+        targets = [Target("ok", f"http://127.0.0.2:{ok.port}/metrics"),
+                   Target("broken", f"http://127.0.0.3:{broken.port}/metrics"),
+                   Target("slow", f"http://127.0.0.4:{slow_port}/metrics"),
+                   Target("closed", "http://127.0.0.5:9/metrics")]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        result = await scrape(session, targets, not_ready=1, names=DEFAULT_NAMES, timeout=0.5)
+        assert loop.time() - started < 2.0  # concurrent, bounded by the timeout
     o = result.observation
     assert [s.kv_cache_usage for s in o.samples] == [0.5]
     assert (o.failed, o.not_ready, o.ready) == (3, 1, 4)
@@ -130,18 +123,10 @@ async def test_scrape_routers_over_http():
 
     app = aiohttp.web.Application()
     app.router.add_get("/metrics", handler)
-    runner = aiohttp.web.AppRunner(app)
-    await runner.setup()
-    site = aiohttp.web.TCPSite(runner, "127.0.0.3", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the port the OS picked
-    try:
-        async with aiohttp.ClientSession() as session:
-            samples, errors = await scrape_routers(session, [
-                Target("router-a", f"http://127.0.0.3:{port}/metrics"),
-                Target("router-b", f"http://127.0.0.3:{port}/nothing"),
-            ], timeout=2.0)
-    finally:
-        await runner.cleanup()
+    async with serving(app, "127.0.0.3") as port, aiohttp.ClientSession() as session:
+        samples, errors = await scrape_routers(session, [
+            Target("router-a", f"http://127.0.0.3:{port}/metrics"),
+            Target("router-b", f"http://127.0.0.3:{port}/nothing"),
+        ], timeout=2.0)
     assert samples == (RouterSample(held=2.0, inflight=0.0),)
     assert list(errors) == ["router-b"] and "404" in errors["router-b"]

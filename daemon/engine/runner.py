@@ -215,27 +215,26 @@ class ModelRunner:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block → CPU block, every layer."""
-        if not pairs:
-            return
-        if not self.cpu_k_caches:
-            raise RuntimeError("swap_out needs a CPU block pool: init_kv_cache(..., num_cpu_blocks > 0)")
-        m = self._pairs(pairs)
-        for l in range(self.num_layers):  # noqa: E741
-            kernels.swap_blocks(self.k_caches[l], self.cpu_k_caches[l], m)
-            kernels.swap_blocks(self.v_caches[l], self.cpu_v_caches[l], m)
+        self._swap("swap_out", pairs, (self.k_caches, self.v_caches), (self.cpu_k_caches, self.cpu_v_caches))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """CPU block → device block, every layer."""
+        swapped = self._swap("swap_in", pairs, (self.cpu_k_caches, self.cpu_v_caches), (self.k_caches, self.v_caches))
+        if swapped and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _swap(self, what: str, pairs: list[tuple[int, int]], src: tuple[list[torch.Tensor], list[torch.Tensor]],
+              dst: tuple[list[torch.Tensor], list[torch.Tensor]]) -> bool:
+        """Copy blocks src → dst ((k, v) caches per layer) in every layer; False when there was nothing to do."""
         if not pairs:
-            return
+            return False
         if not self.cpu_k_caches:
-            raise RuntimeError("swap_in needs a CPU block pool: init_kv_cache(..., num_cpu_blocks > 0)")
+            raise RuntimeError(f"{what} needs a CPU block pool: init_kv_cache(..., num_cpu_blocks > 0)")
         m = self._pairs(pairs)
         for l in range(self.num_layers):  # noqa: E741
-            kernels.swap_blocks(self.cpu_k_caches[l], self.k_caches[l], m)
-            kernels.swap_blocks(self.cpu_v_caches[l], self.v_caches[l], m)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            kernels.swap_blocks(src[0][l], dst[0][l], m)
+            kernels.swap_blocks(src[1][l], dst[1][l], m)
+        return True
 
     # ------------------------------------------------------------------ forward
 

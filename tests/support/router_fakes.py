@@ -14,6 +14,8 @@ from typing import Any
 
 from aiohttp import web
 
+from support.web_app import start_app
+
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
@@ -115,11 +117,8 @@ class FakeReplica:
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        self._runner, self.port = await start_app(app, self.host, self.port, access_log=None,
+                                                  handler_cancellation=True)
         return self
 
     async def stop(self) -> None:
@@ -147,11 +146,7 @@ class RouterServer:
         from kvpilot.router.server import build_app
 
         self.app = build_app(self.settings, tokenizer=self.tokenizer)
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        self._runner, self.port = await start_app(self.app, self.host, access_log=None, handler_cancellation=True)
         return self
 
     async def stop(self) -> None:
