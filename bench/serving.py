@@ -214,7 +214,7 @@ def run_peer(works, rates, seed, model_dir: str, timeout: float, dtype: str, pyt
             proc.kill()
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="0.5,1,2", help="requests/s, comma separated ('inf' = all at once)")
     ap.add_argument("--num-prompts", type=int, default=16, help="per rate")
@@ -235,7 +235,31 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--output", default=str(RESULTS / "serving.json"))
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _run_kvpilot(args: argparse.Namespace, works: list, rates: list[float], result: dict) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helper lives there
+    from support.daemon_process import DaemonProcess
+
+    daemon = None
+    url = args.base_url
+    if url is None:
+        env = {"KVPILOT_NUM_THREADS": str(args.num_threads)} if args.num_threads else {}
+        daemon = DaemonProcess("--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_cache_memory,
+                               "--dtype", args.dtype, "--disable-log-requests", env=env).start(timeout=600)
+        url = daemon.base_url
+        result["kvpilot_args"] = daemon.serve_args
+    try:
+        result["kvpilot"] = asyncio.run(bench_server("kvpilot", url, None, works, rates, args.seed,
+                                                     {"ignore_eos": True}))
+    finally:
+        if daemon is not None:
+            daemon.stop()
+
+
+def main() -> int:
+    args = _parse_args()
     if args.quick:
         args.rates, args.num_prompts, args.prompt_len, args.output_len = "1,inf", 8, "16,64", "8,32"
     rates = [float(r) for r in args.rates.split(",")]
@@ -254,9 +278,6 @@ def main() -> int:
 
     from kvpilot.version import __version__
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test helper lives there
-    from support.daemon_process import DaemonProcess
-
     result: dict = {
         "benchmark": "serving",
         "kvpilot_version": __version__,
@@ -267,20 +288,7 @@ def main() -> int:
                      "seed": args.seed, "prompts_per_rate": "fresh (seed + rate index)", "rates": args.rates, "temperature": 0.0, "stream": True,
                      "dtype": args.dtype, "num_threads": args.num_threads},
     }
-    daemon = None
-    url = args.base_url
-    if url is None:
-        env = {"KVPILOT_NUM_THREADS": str(args.num_threads)} if args.num_threads else {}
-        daemon = DaemonProcess("--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_cache_memory,
-                               "--dtype", args.dtype, "--disable-log-requests", env=env).start(timeout=600)
-        url = daemon.base_url
-        result["kvpilot_args"] = daemon.serve_args
-    try:
-        result["kvpilot"] = asyncio.run(bench_server("kvpilot", url, None, works, rates, args.seed,
-                                                     {"ignore_eos": True}))
-    finally:
-        if daemon is not None:
-            daemon.stop()
+    _run_kvpilot(args, works, rates, result)
     if args.skip_peer:
         result["transformers_serve"] = {"status": "skipped", "reason": "--skip-peer"}
     else:
