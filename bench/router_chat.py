@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import inspect
 import json
-import math
 import os
 import platform
 import random
@@ -46,8 +45,10 @@ import aiohttp
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "support"))
-from daemon_process import DaemonProcess  # noqa: E402 - the tests' helper, not a package
+sys.path.insert(0, str(ROOT / "tests"))
+from serving import pct  # noqa: E402 - bench/serving.py, beside this script
+
+from support.daemon_process import DaemonProcess  # noqa: E402 - the tests' helper, not part of the product
 
 RESULTS = ROOT / "bench" / "results"
 MODEL = "builtin://smollm2-135m"
@@ -56,15 +57,6 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "KVPILOT_NUM_THREADS": "1"}
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
