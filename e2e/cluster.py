@@ -52,8 +52,6 @@ RESOURCES: dict[str, dict[str, Any]] = {
 }
 
 
-ApiError = client.KubeApiError
-
 
 def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

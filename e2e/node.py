@@ -12,7 +12,9 @@ import platform
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cluster import NODES, ApiError, Kube, now_iso, pods
+from kvpilot.operator.kube import KubeApiError
+
+from .cluster import NODES, Kube, now_iso, pods
 
 NODE_LABEL = "kvpilot.io/e2e-node"
 TAINT_KEY = "kvpilot.io/e2e"
@@ -75,7 +77,7 @@ async def register(kube: Kube, spec: NodeSpec) -> None:
     """Create the Node (or take over one of the same name) and report it Ready, as a kubelet does."""
     try:
         await kube.create(NODES, manifest(spec))
-    except ApiError as e:
+    except KubeApiError as e:
         if e.status != 409:
             raise
         await kube.patch(f"{NODES}/{spec.name}", {"metadata": {"labels": spec.labels()},
@@ -155,7 +157,7 @@ async def bind(kube: Kube, pod: dict[str, Any], node: str) -> bool:
             "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
     try:
         await kube.request("POST", f"{pods(meta['namespace'])}/{meta['name']}/binding", body=body)
-    except ApiError as e:
+    except KubeApiError as e:
         if e.status in (404, 409):
             return False
         raise

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import aiohttp
 
+from kvpilot.operator.kube import KubeApiError
+
 from . import kubeconfig
 from .agent import NODE_NAME
 from .cluster import (
@@ -24,7 +26,6 @@ from .cluster import (
     CRDS,
     NAMESPACES,
     NODES,
-    ApiError,
     Kube,
     condition,
     crd_manifest,
@@ -68,7 +69,7 @@ async def preflight(kube: Kube, path: Path) -> dict:
     hint = f"Start the cluster (kind create cluster, k3s) or unset {ENV} to run on the kmock emulator."
     try:
         return await kube.request("GET", "/version")
-    except ApiError as e:
+    except KubeApiError as e:
         raise ClusterError(f"{ENV}={path}: the API server at {kube.url} refused the request: {e}") from e
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
         raise ClusterError(f"{ENV}={path}: no API server answers at {kube.url} "
@@ -119,5 +120,5 @@ async def cleanup(t: Target) -> None:
     if t.installed_crd:
         steps.append(f"{CRDS}/{CRD_NAME}")
     for path in steps:
-        with contextlib.suppress(ApiError, aiohttp.ClientError, TimeoutError, OSError):
+        with contextlib.suppress(KubeApiError, aiohttp.ClientError, TimeoutError, OSError):
             await t.kube.delete(path)

@@ -276,10 +276,6 @@ async def retry_on_conflict(attempt: Callable[[], Awaitable[T]], attempts: int =
     raise AssertionError("unreachable")
 
 
-# The older names, kept while their users move over.
-Kube = KubeClient
-ApiError = KubeApiError
-
 
 def collection(api_version: str, plural: str, ns: str | None = None) -> str:
     base = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"

@@ -86,7 +86,6 @@ async def test_typed_errors_and_not_found():
             await k.patch(f"{DEP}/missing", {"spec": {}})
         assert (e.value.status, e.value.reason, e.value.not_found) == (404, "NotFound", True)
         assert "missing" in e.value.message and e.value.method == "PATCH"
-        assert kube.ApiError is kube.KubeApiError and kube.Kube is kube.KubeClient  # the older names
 
 
 async def test_label_selector_and_patch_kinds():
