@@ -16,8 +16,16 @@ Also two failure checks (scale from zero runs first, the kill check last):
 - scale from zero: the router discovers replicas from EndpointSlices served by the kmock Kubernetes
   emulator (the operator path; a static --endpoints list cannot start empty); requests are sent while
   the Service has no ready endpoint, then one daemon starts and its slice is posted.
-Usage: python bench/router_chat.py [--prompts 8 --prompt-tokens 600 --conversations 15 --turns 3 ...]
-       [--modes router] [--router-flags "--load-cap 1.0"] [--skip-kill] [--skip-zero]
+Also recorded per phase: the router's decisions by reason (hash, prefix, spill, ...) and its decision time
+by where it tokenized, and each replica's load (running, waiting, KV usage) scraped every second, with
+the routes and TTFT of the requests it served: where queues formed, not only how many requests went where.
+Usage: python bench/router_chat.py [--preset full|small|quick] [--prompts 8 --prompt-tokens 600
+       --conversations 40 --turns 4 ...] [--modes router] [--router-flags "--load-cap 1.0"] [--skip-kill]
+       [--skip-zero]
+The default (full) workload is 8 tenants' ~600-token system prompts, 40 conversations of 4 turns, Poisson
+arrivals (an estimated 15-25 minutes in all on the 2-core CI host; not yet run at this size). `--preset
+small` is the earlier 15 x 3 one; `--preset quick` a smoke of the script (one router phase, no failure
+checks, bench/results/router_chat_quick.json; about 2 minutes, most of it loading the daemons).
 Writes bench/results/router_chat.json and prints a markdown summary.
 """
 
@@ -88,6 +96,50 @@ CACHE_NAMES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 async def scrape(http: aiohttp.ClientSession, url: str) -> str:
     async with http.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
         return await r.text()
+
+
+LOAD_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+class LoadSampler:
+    """Each replica's running / waiting / KV usage, scraped every `interval` s while a phase runs: where
+    the queues formed, which the request counts alone do not show."""
+
+    def __init__(self, http: aiohttp.ClientSession, urls: list[str], interval: float) -> None:
+        self.http, self.urls, self.interval = http, urls, interval
+        self.series: dict[str, list[list[float]]] = {u: [] for u in urls}  # [t, running, waiting, kv]
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        t0 = time.perf_counter()
+        while True:
+            texts = await asyncio.gather(*(scrape(self.http, u) for u in self.urls), return_exceptions=True)
+            t = round(time.perf_counter() - t0, 2)
+            for u, text in zip(self.urls, texts, strict=True):
+                if isinstance(text, str):
+                    m = metric_sums(text, LOAD_NAMES)
+                    self.series[u].append([t, *(round(m[n], 3) for n in LOAD_NAMES)])
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> LoadSampler:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def summary(self, url: str) -> dict[str, Any]:
+        rows = self.series[url]
+        if not rows:
+            return {"samples": 0}
+        running, waiting, kv = ([r[i] for r in rows] for i in (1, 2, 3))
+        return {"samples": len(rows), "running_mean": statistics.fmean(running), "running_max": max(running),
+                "waiting_mean": statistics.fmean(waiting), "waiting_max": max(waiting),
+                "queued_share": sum(w > 0 for w in waiting) / len(rows),
+                "kv_usage_mean": statistics.fmean(kv), "kv_usage_max": max(kv)}
 
 
 def start_daemons(args: argparse.Namespace, hosts: tuple[str, ...] = HOSTS) -> list[DaemonProcess]:
@@ -271,6 +323,59 @@ def clients_for(urls: list[str]) -> list[openai.AsyncOpenAI]:
     return [openai.AsyncOpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=600.0) for u in urls]
 
 
+def replica_summary(d: DaemonProcess, b: dict[str, float], a: dict[str, float], recs: list[dict[str, Any]],
+                    load: dict[str, Any]) -> dict[str, Any]:
+    """One replica's share of a phase: requests and how they were routed there, cache hits, load, TTFT."""
+    name = f"{d.host}:{d.port}"
+    mine = [r for r in recs if r.get("target") in (name, d.host)]
+    routes: dict[str, int] = {}
+    for r in mine:
+        if r.get("route"):
+            routes[r["route"]] = routes.get(r["route"], 0) + 1
+    q = a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
+    h = a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
+    ttft = [r["ttft"] for r in mine if r.get("ttft") is not None]
+    tenants = sorted({r["tenant"] for r in mine if "tenant" in r})
+    return {"replica": name, "requests": len(mine), "routes": routes, "tenants": tenants,
+            "prefix_queries": q, "prefix_hits": h, "hit_rate": h / q if q else None,
+            "prompt_tokens": a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"],
+            "preemptions": a["vllm:num_preemptions_total"] - b["vllm:num_preemptions_total"],
+            "ttft_s": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)}, "load": load}
+
+
+def router_figures(text: str) -> dict[str, Any]:
+    """The router's own view of a phase: decisions by reason, and its per-request decision time by where
+    the prompt was tokenized (inline on the event loop, or on a tokenizer thread)."""
+    sums = metric_by_label(text, "kvpilot:router_decision_seconds_sum", "tokenize")
+    counts = metric_by_label(text, "kvpilot:router_decision_seconds_count", "tokenize")
+    return {"router_decisions": metric_by_label(text, "kvpilot:router_decisions_total", "reason"),
+            "router_decision_ms": {k: {"count": counts[k], "mean_ms": 1e3 * sums.get(k, 0.0) / counts[k]}
+                                   for k in counts if counts[k]},
+            "router_retries": metric_by_label(text, "kvpilot:router_retries_total", "cause")}
+
+
+async def sender(name: str, args: argparse.Namespace, urls: list[str]) -> tuple[Any, RouterProcess | None]:
+    """The phase's send(messages, max_tokens): through a router process, or strict round-robin."""
+    if name == "router":
+        router = RouterProcess("--endpoints", ",".join(urls), "--tokenizer", MODEL, "--log-level", "info",
+                               *args.router_flags.split())
+        await asyncio.to_thread(router.start)
+        (client,) = clients_for([router.url])
+
+        async def via_router(messages, max_tokens):
+            return await one_turn(client, messages, max_tokens, None)
+
+        return via_router, router
+    clients = clients_for(urls)
+    counter = iter(range(10**9))
+
+    async def round_robin(messages, max_tokens):
+        i = next(counter) % len(clients)  # strict per-request rotation
+        return await one_turn(clients[i], messages, max_tokens, HOSTS[i])
+
+    return round_robin, None
+
+
 async def mode(name: str, args: argparse.Namespace, work: dict[str, Any], http: aiohttp.ClientSession) -> dict:
     print(f"[{time.strftime('%H:%M:%S')}] {name}: starting 3 cold daemons", flush=True)
     daemons = start_daemons(args)
@@ -278,43 +383,25 @@ async def mode(name: str, args: argparse.Namespace, work: dict[str, Any], http: 
     try:
         urls = [d.base_url for d in daemons]
         before = [metric_sums(await scrape(http, u), CACHE_NAMES) for u in urls]
-        if name == "router":
-            router = RouterProcess("--endpoints", ",".join(urls), "--tokenizer", MODEL, "--log-level", "info",
-                                   *args.router_flags.split())
-            router.start()
-            (client,) = clients_for([router.url])
-
-            async def send(messages, max_tokens):
-                return await one_turn(client, messages, max_tokens, None)
-        else:
-            clients = clients_for(urls)
-            counter = iter(range(10**9))
-
-            async def send(messages, max_tokens):
-                i = next(counter) % len(clients)  # strict per-request rotation
-                return await one_turn(clients[i], messages, max_tokens, HOSTS[i])
-
+        send, router = await sender(name, args, urls)
         print(f"[{time.strftime('%H:%M:%S')}] {name}: workload", flush=True)
-        recs, wall = await run_workload(work, send, args.mode_limit)
+        sampler = LoadSampler(http, urls, args.sample_interval).start()
+        try:
+            recs, wall = await run_workload(work, send, args.mode_limit)
+        finally:
+            await sampler.stop()
         after = [metric_sums(await scrape(http, u), CACHE_NAMES) for u in urls]
         res = summarize(recs, wall)
-        per = []
-        for d, b, a in zip(daemons, before, after, strict=True):
-            q = a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
-            h = a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
-            name_ = f"{d.host}:{d.port}"
-            per.append({"replica": name_, "requests": sum(1 for r in recs if r.get("target") in (name_, d.host)),
-                        "prefix_queries": q, "prefix_hits": h, "hit_rate": h / q if q else None,
-                        "prompt_tokens": a["vllm:prompt_tokens_total"] - b["vllm:prompt_tokens_total"],
-                        "preemptions": a["vllm:num_preemptions_total"] - b["vllm:num_preemptions_total"]})
+        per = [replica_summary(d, b, a, recs, sampler.summary(d.base_url))
+               for d, b, a in zip(daemons, before, after, strict=True)]
         q, h = sum(p["prefix_queries"] for p in per), sum(p["prefix_hits"] for p in per)
         counts = [p["requests"] for p in per]
         mean = statistics.fmean(counts) if counts else 0
         res.update(replicas=per, prefix_hit_rate=h / q if q else None,
-                   load_max_over_mean=max(counts) / mean if mean else None)
+                   load_max_over_mean=max(counts) / mean if mean else None,
+                   load_series={p["replica"]: sampler.series[d.base_url] for p, d in zip(per, daemons, strict=True)})
         if router is not None:
-            rm = await scrape(http, router.url)
-            res["router_decisions"] = metric_by_label(rm, "kvpilot:router_decisions_total", "reason")
+            res.update(router_figures(await scrape(http, router.url)))
         res["requests_detail"] = [{k: r.get(k) for k in ("tenant", "turn", "target", "route", "outcome", "ttft",
                                                          "e2e", "tokens", "prompt_tokens", "error")} for r in recs]
         return res
@@ -462,6 +549,9 @@ def markdown(res: dict[str, Any]) -> str:
     def f(x: float | None, nd: int = 3) -> str:
         return "-" if x is None else f"{x:.{nd}f}"
 
+    def waits(phase: dict[str, Any]) -> str:
+        return str([f((p.get("load") or {}).get("waiting_mean"), 2) for p in phase["replicas"]])
+
     lines = ["| | router (prefix+load) | round-robin | ratio |", "|---|---|---|---|",
              f"| prefix-cache hit rate | {f(r['prefix_hit_rate'])} | {f(b['prefix_hit_rate'])} | "
              f"{f(ratio(r['prefix_hit_rate'], b['prefix_hit_rate']), 2)}x |",
@@ -475,7 +565,9 @@ def markdown(res: dict[str, Any]) -> str:
              f"| requests (outcomes) | {r['outcomes']} | {b['outcomes']} | |",
              f"| per-replica requests | {[p['requests'] for p in r['replicas']]} | "
              f"{[p['requests'] for p in b['replicas']]} | |",
-             f"| max/mean replica load | {f(r['load_max_over_mean'], 2)} | {f(b['load_max_over_mean'], 2)} | |"]
+             f"| max/mean replica load | {f(r['load_max_over_mean'], 2)} | {f(b['load_max_over_mean'], 2)} | |",
+             f"| per-replica mean waiting | {waits(r)} | {waits(b)} | |",
+             f"\nrouter decisions {r.get('router_decisions')}; decision time {r.get('router_decision_ms')}"]
     if "kill" in res:
         k = res["kill"]
         lines.append(f"\nkill one replica at {f(k.get('killed_at_s'), 1)} s: {k.get('outcomes')}; lost before "
@@ -500,8 +592,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "router_chat", "model": MODEL,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "load_average_at_start": list(os.getloadavg())},
-        "workload": {k: getattr(args, k) for k in ("prompts", "prompt_tokens", "conversations", "turns", "rate",
-                                                   "think", "min_out", "max_out", "seed")},
+        "workload": {k: getattr(args, k) for k in ("preset", "prompts", "prompt_tokens", "conversations", "turns",
+                                                   "rate", "think", "min_out", "max_out", "seed", "mode_limit")},
         "system_prompt_tokens": work["system_tokens"],
         "daemon_args": {"max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory,
                         "dtype": args.dtype, "threads": 1},
@@ -535,6 +627,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "hit_rate_ratio_ok": (ratio(r["prefix_hit_rate"], b["prefix_hit_rate"]) or 0) >= 2.0,
         "ttft_p50_speedup": ratio(b["ttft_s"]["p50"], r["ttft_s"]["p50"]),
         "ttft_p50_ok": (ratio(b["ttft_s"]["p50"], r["ttft_s"]["p50"]) or 0) >= 1.5,
+        "ttft_p99_speedup": ratio(b["ttft_s"]["p99"], r["ttft_s"]["p99"]),
+        "ttft_p99_ok": (ratio(b["ttft_s"]["p99"], r["ttft_s"]["p99"]) or 0) >= 1.0,  # no worse than round-robin
         "router_load_max_over_mean": r["load_max_over_mean"],
         "load_ok": (r["load_max_over_mean"] or 99) <= 1.5,
     }
@@ -542,13 +636,26 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def main() -> int:
+# Workload presets; explicit flags win. full: the issue's workload. small: the one measured before it
+# (bench/results/router_chat.json up to the spill rule), kept for comparison. quick: a smoke of the script
+# itself (three daemons still start, so it takes a minute or two, most of it loading them).
+PRESETS: dict[str, dict[str, Any]] = {
+    "full": {},
+    "small": {"conversations": 15, "turns": 3, "mode_limit": 240.0},
+    "quick": {"prompts": 2, "prompt_tokens": 100, "conversations": 3, "turns": 2, "rate": 2.0, "think": 0.2,
+              "min_out": 2, "max_out": 4, "mode_limit": 20.0, "modes": "router", "skip_kill": True,
+              "skip_zero": True, "out": str(RESULTS / "router_chat_quick.json")},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = ap.add_argument
+    a("--preset", choices=sorted(PRESETS), default="full", help="workload size (flags given as well win)")
     a("--prompts", type=int, default=8, help="tenants (system prompts)")
     a("--prompt-tokens", type=int, default=600, help="system prompt length (random tokens)")
-    a("--conversations", type=int, default=15)
-    a("--turns", type=int, default=3)
+    a("--conversations", type=int, default=40)
+    a("--turns", type=int, default=4)
     a("--rate", type=float, default=0.25, help="conversation arrivals per second (Poisson)")
     a("--think", type=float, default=2.0, help="mean seconds between a reply and the next turn")
     a("--min-out", type=int, default=8)
@@ -557,7 +664,8 @@ def main() -> int:
     a("--max-num-seqs", type=int, default=4)
     a("--kv-cache-memory", default="128MiB")
     a("--dtype", default="float32")
-    a("--mode-limit", type=float, default=240.0, help="no new turn starts after this many seconds")
+    a("--mode-limit", type=float, default=480.0, help="no new turn starts after this many seconds")
+    a("--sample-interval", type=float, default=1.0, help="seconds between scrapes of the replicas' load")
     a("--kill-conversations", type=int, default=12)
     a("--kill-at", type=float, default=15.0, help="seconds into the kill run")
     a("--kill-limit", type=float, default=90.0, help="no new turn starts after this many seconds (kill run)")
@@ -568,11 +676,29 @@ def main() -> int:
     a("--skip-kill", action="store_true")
     a("--skip-zero", action="store_true")
     a("--out", default=str(RESULTS / "router_chat.json"))
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    preset = ap.parse_known_args(argv)[0].preset
+    ap.set_defaults(**PRESETS[preset])
+    return ap.parse_args(argv)
+
+
+def summary_only(res: dict[str, Any]) -> dict[str, Any]:
+    """The result without its per-request and per-second detail (for the terminal; the JSON has it all)."""
+    drop = ("requests_detail", "load_series")
+    return {k: {kk: vv for kk, vv in v.items() if kk not in drop} if isinstance(v, dict) else v
+            for k, v in res.items()}
+
+
+def main() -> int:
+    args = parse_args()
     res = asyncio.run(main_async(args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(markdown(res) if "targets" in res else json.dumps(res, indent=1)[-3000:])
+    print(markdown(res) if "targets" in res else json.dumps(summary_only(res), indent=1)[-3000:])
     return 0
 
 

@@ -7,8 +7,10 @@
   conditions and containerStatuses through pods/status; restarts a container that dies (restartCount,
   lastState); on deletion (deletionTimestamp) runs the preStop hook, sends SIGTERM, waits out the grace
   period, then SIGKILL, and only then deletes the Pod with grace 0, as a kubelet does;
+- hands a pod that names a ServiceAccount its token, as a kubelet does (podcreds.py): a TokenRequest, the
+  files in the pod's folder, and KUBECONFIG pointing at them (the router reads the API that way);
 - with `replicasets=True` (the emulator, which has no controller-manager) also the Deployment and
-  ReplicaSet controllers (replicaset.py).
+  ReplicaSet controllers (replicaset.py) and the EndpointSlice controller (endpointslices.py).
 
 On a cluster it needs only what a kubelet may do, plus the scheduler's pods/binding (see README.md).
 """
@@ -33,8 +35,9 @@ from typing import Any
 import aiohttp
 
 from . import node as nodes
-from . import procs
+from . import podcreds, procs
 from .cluster import NODES, Kube, condition, deployments, now_iso, pods, terminating
+from .endpointslices import EndpointSliceController
 from .replicaset import ReplicaSets
 
 log = logging.getLogger("e2e.agent")
@@ -142,6 +145,7 @@ class NodeAgent:
         self.node_env = node_env or {}
         self.node = node or nodes.NodeSpec(NODE_NAME)
         self.replicasets = ReplicaSets(kube, namespace, self._record) if replicasets else None
+        self.endpointslices = EndpointSliceController(kube, namespace) if replicasets else None
         self.containers: dict[str, Container] = {}
         self.events: list[Event] = []
         self._http: aiohttp.ClientSession | None = None
@@ -192,6 +196,8 @@ class NodeAgent:
         if self.replicasets is not None:
             for dep in deps:
                 await self.replicasets.write_status(dep, pod_list)
+        if self.endpointslices is not None:  # from the statuses this pass wrote: endpoints follow at once
+            await self.endpointslices.sync(await self.kube.list(pods(self.ns)))
 
     # ------------------------------------------------------------------ scheduler
 
@@ -227,7 +233,8 @@ class NodeAgent:
             if terminating(pod):  # never started here: nothing to stop
                 await self._final_delete(name, pod["metadata"].get("uid"))
                 return
-            c = self._make_container(pod)
+            creds = await podcreds.mount(self.kube, pod, self.workdir / "pods" / name)
+            c = self._make_container(pod, creds)
             self.containers[name] = c
             self._start(c)
             c.probe_task = asyncio.create_task(self._kubelet(c))
@@ -258,7 +265,7 @@ class NodeAgent:
                 return ip
         raise RuntimeError(f"no free loopback address with port {port} free")
 
-    def _make_container(self, pod: dict[str, Any]) -> Container:
+    def _make_container(self, pod: dict[str, Any], creds: dict[str, str] | None = None) -> Container:
         name = pod["metadata"]["name"]
         spec = pod["spec"]
         ctr = spec["containers"][0]
@@ -287,7 +294,7 @@ class NodeAgent:
             # The container's CPU limit: more torch threads than CPUs collapses throughput.
             "OMP_NUM_THREADS": threads, "KVPILOT_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
             "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-            **env, **self.node_env,
+            **(creds or {}), **env, **self.node_env,
         }
         command = list(ctr.get("command") or ["kvpilot"])
         if "/" not in command[0] and (self._bin / command[0]).exists():

@@ -47,10 +47,17 @@ RESOURCES: dict[str, dict[str, Any]] = {
     "v1/nodes": dict(kind="Node", singular="node", namespaced=False, verbs=_ALL, subresources=["status"]),
     "v1/events": dict(kind="Event", singular="event", namespaced=True, verbs=_ALL),
     "v1/namespaces": dict(kind="Namespace", singular="namespace", namespaced=False, verbs=_ALL),
+    # The builtin router's objects (its identity and grant) and what it discovers the daemons through.
+    "v1/serviceaccounts": dict(kind="ServiceAccount", singular="serviceaccount", namespaced=True, verbs=_ALL,
+                               subresources=["token"]),
+    "rbac.authorization.k8s.io/v1/roles": dict(kind="Role", singular="role", namespaced=True, verbs=_ALL),
+    "rbac.authorization.k8s.io/v1/rolebindings": dict(kind="RoleBinding", singular="rolebinding", namespaced=True,
+                                                      verbs=_ALL),
+    "discovery.k8s.io/v1/endpointslices": dict(kind="EndpointSlice", singular="endpointslice", namespaced=True,
+                                               verbs=_ALL),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
         kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False, verbs=_ALL),
 }
-
 
 
 def now_iso() -> str:
@@ -63,6 +70,12 @@ deployments = client.deployments
 pods = client.pods
 events = client.events
 inferencedeployments = client.inferencedeployments
+services = client.services
+serviceaccounts = client.serviceaccounts
+
+
+def endpointslices(ns: str) -> str:
+    return collection("discovery.k8s.io/v1", "endpointslices", ns)
 
 
 class Kube(client.KubeClient):
@@ -86,6 +99,10 @@ class Kube(client.KubeClient):
             meta["resourceVersion"] = str(next(self._rv))
         return await super().create(collection, obj)
 
+    def connection(self) -> kopf.ConnectionInfo:
+        """Where the API server is and how this client logs in (a pod's kubeconfig copies server and CA)."""
+        return self._login()
+
     # --- kubectl-like helpers
 
     async def apply_crd(self) -> None:
@@ -107,12 +124,14 @@ def crd_manifest() -> dict[str, Any]:
     return yaml.safe_load(CRD_FILE.read_text())
 
 
-def write_kubeconfig(path: Path, url: str) -> Path:
+def write_kubeconfig(path: Path, url: str, token: str = "e2e-token", namespace: str = "default",
+                     cluster: dict[str, Any] | None = None) -> Path:
+    """A kubeconfig with one context: `url` with a bearer token; `cluster` adds CA fields."""
     cfg = {
         "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "kmock", "user": {"token": "e2e-token"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}],
+        "clusters": [{"name": "kmock", "cluster": {"server": url, **(cluster or {})}}],
+        "users": [{"name": "kmock", "user": {"token": token}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": namespace}}],
     }
     path.write_text(yaml.safe_dump(cfg))
     return path

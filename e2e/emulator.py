@@ -4,7 +4,9 @@ agent relies on:
 - POST pods/NAME/binding sets spec.nodeName and the PodScheduled condition (409 if already bound);
 - DELETE of a pod bound to a node only marks it (deletionTimestamp, deletionGracePeriodSeconds) and holds
   it with a finalizer of the emulator's own (HOLD); the kubelet's DELETE with gracePeriodSeconds 0 then
-  removes it.
+  removes it;
+- POST serviceaccounts/NAME/token (a TokenRequest, what a kubelet asks for a pod's projected token) answers
+  with a token for an existing ServiceAccount, 404 otherwise. The emulator checks no token: any is fine.
 
 kmock itself serves neither (a POST to a named object is no action it knows, and a DELETE without
 finalizers removes the object at once).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -65,6 +68,9 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _pods_or_default(self, request: Any) -> Any:
         res = request.resource
+        if (res is not None and res.plural == "serviceaccounts" and request.name
+                and request.method == kmock.method.POST and request.subresource == "token"):
+            return await self._token(request)
         if res is not None and res.plural == "pods" and request.name:
             if request.method == kmock.method.POST and request.subresource == "binding":
                 return await self._bind(request)
@@ -94,6 +100,17 @@ class Emulator(kmock.KubernetesEmulator):
             await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
         return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Success", "code": 201},
                                          status=201)
+
+    async def _token(self, request: Any) -> Any:
+        async with self._lock:
+            self._stored(request)  # 404 for a ServiceAccount that does not exist, as the API server says
+        spec = request.data if isinstance(request.data, dict) else {}
+        seconds = int((spec.get("spec") or {}).get("expirationSeconds") or 3600)
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=seconds)
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec.get("spec") or {},
+                "status": {"token": f"e2e-sa-{request.name}-{secrets.token_hex(8)}",
+                           "expirationTimestamp": until.strftime("%Y-%m-%dT%H:%M:%SZ")}}
+        return aiohttp.web.json_response(body, status=201)
 
     async def _mark_deleted(self, request: Any) -> dict[str, Any] | None:
         """Graceful deletion of a bound pod; None lets kmock delete it (unbound, or never marked).

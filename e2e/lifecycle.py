@@ -60,8 +60,28 @@ class Config:
     scale_up_timeout: float = 120.0
 
 
+class Phases:
+    """Phase bookkeeping of a run's report (its `errors`, `done`, `config.workdir` and `monitor`), shared by
+    the runs."""
+
+    errors: dict[str, str]
+    done: list[str]
+    config: Any
+    monitor: Monitor | None
+
+    def ok(self, phase: str) -> bool:
+        return phase in self.done
+
+    def need(self, *phases: str) -> None:
+        """Fail with the recorded reason when a phase this check depends on did not complete."""
+        for p in phases:
+            if p not in self.done:
+                why = self.errors.get(p, "it did not run: an earlier phase failed " + repr(self.errors))
+                raise AssertionError(f"phase {p!r} did not complete: {why}\nlogs: {self.config.workdir}")
+
+
 @dataclass
-class Report:
+class Report(Phases):
     config: Config
     t0: float = 0.0  # kubectl apply
     marks: dict[str, float] = field(default_factory=dict)
@@ -90,51 +110,56 @@ class Report:
     leftover_pids: list[int] = field(default_factory=list)
     wall_s: float = 0.0
 
-    def ok(self, phase: str) -> bool:
-        return phase in self.done
-
-    def need(self, *phases: str) -> None:
-        """Fail with the recorded reason when a phase this check depends on did not complete."""
-        for p in phases:
-            if p not in self.done:
-                why = self.errors.get(p, "it did not run: an earlier phase failed " + repr(self.errors))
-                raise AssertionError(f"phase {p!r} did not complete: {why}\nlogs: {self.config.workdir}")
-
     def records(self, phase: str | None = None) -> list[Record]:
         assert self.load is not None
         return [r for r in self.load.records if phase is None or r.phase == phase]
 
     def daemon_log_records(self, pod: str) -> list[dict[str, Any]]:
-        path = self.config.workdir / "pods" / pod / "daemon.log"
-        out = []
-        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-            if line.startswith("{"):
-                with contextlib.suppress(ValueError):
-                    out.append(json.loads(line))
-        return out
+        return pod_log_records(self.config.workdir, pod)
 
     def dump(self, path: Path) -> None:
         """The run as JSON, for reading after a failure."""
         m, a, ld = self.monitor, self.agent, self.load
         data = {
-            "t0": self.t0, "marks": {k: round(v - self.t0, 2) for k, v in self.marks.items()},
-            "errors": self.errors, "done": self.done,
+            **timeline_json(self.t0, self.marks, m, a), "errors": self.errors, "done": self.done,
             "pods": {"first": self.first_pod, "new": self.new_pod, "killed": self.killed_pod,
                      "removed": self.removed_pod, "rollout_old": self.rollout_old_pod,
                      "rollout_new": self.rollout_new_pod},
             "real_cluster": self.real_cluster, "node": self.node, "namespace": self.config.namespace,
             "load": ld.summary(self.expected) if ld else None,
-            "agent_events": [dict(asdict(e), t=round(e.t - self.t0, 2)) for e in a.events] if a else [],
-            "agent_errors": a.errors if a else [],
-            "events": [dict(asdict(e), t=round(e.t - self.t0, 2)) for e in m.events.values()] if m else [],
-            "samples": [dict(asdict(s), t=round(s.t - self.t0, 2)) for s in m.samples] if m else [],
-            "requests": [{"id": r.id, "job": r.job.key, "phase": r.phase, "start": round(r.start - self.t0, 2),
-                          "end": round(r.end - self.t0, 2), "lost": r.lost, "finish": r.finish_reason,
-                          "attempts": [(x.pod, x.outcome, round(x.start - self.t0, 2), round(x.end - self.t0, 2))
-                                       for x in r.attempts]} for r in ld.records] if ld else [],
+            "requests": requests_json(self.t0, ld.records) if ld else [],
             "wall_s": self.wall_s,
         }
         path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def pod_log_records(workdir: Path, pod: str) -> list[dict[str, Any]]:
+    """The JSON lines of a pod's log (the daemon's and the router's structured logging)."""
+    path = workdir / "pods" / pod / "daemon.log"
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+def timeline_json(t0: float, marks: dict[str, float], m: Monitor | None, a: NodeAgent | None) -> dict[str, Any]:
+    """A run's timeline for report.json, times relative to t0: marks, samples, Events, the agent's events."""
+    return {
+        "t0": t0, "marks": {k: round(v - t0, 2) for k, v in marks.items()},
+        "agent_events": [dict(asdict(e), t=round(e.t - t0, 2)) for e in a.events] if a else [],
+        "agent_errors": a.errors if a else [],
+        "events": [dict(asdict(e), t=round(e.t - t0, 2)) for e in m.events.values()] if m else [],
+        "samples": [dict(asdict(s), t=round(s.t - t0, 2)) for s in m.samples] if m else [],
+    }
+
+
+def requests_json(t0: float, records: list[Record]) -> list[dict[str, Any]]:
+    return [{"id": r.id, "job": r.job.key, "phase": r.phase, "start": round(r.start - t0, 2),
+             "end": round(r.end - t0, 2), "lost": r.lost, "finish": r.finish_reason,
+             "attempts": [(x.pod, x.outcome, round(x.start - t0, 2), round(x.end - t0, 2)) for x in r.attempts]}
+            for r in records]
 
 
 def e2e_cr(cfg: Config, node: NodeSpec | None = None) -> dict[str, Any]:
@@ -192,7 +217,8 @@ def node_model_cache() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvpilot"
 
 
-def _env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
+    """The environment of the run's own children (operator, reference): none of this shell's KUBE* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", KVPILOT_NUM_THREADS="1")
     return env
@@ -200,7 +226,7 @@ def _env() -> dict[str, str]:
 
 async def _reference(cfg: Config) -> tuple[dict[str, Any] | None, str | None]:
     out = cfg.workdir / "reference.json"
-    proc = procs.spawn([sys.executable, str(HERE / "reference.py"), str(out)], _env(), cfg.workdir / "reference.log")
+    proc = procs.spawn([sys.executable, str(HERE / "reference.py"), str(out)], child_env(), cfg.workdir / "reference.log")
     try:
         await until(lambda: proc.poll() is not None, 900, "offline reference", interval=0.5)
     finally:
@@ -219,14 +245,14 @@ def node_capacity(cfg: Config) -> dict[str, str]:
             GPU: str(int(res.get("gpus", 0)) * n)}
 
 
-def _start_operator(cfg: Config, target: Target) -> Any:
-    env = _env()
+def start_operator(workdir: Path, target: Target) -> Any:
+    env = child_env()
     env.update(KUBECONFIG=str(target.kubeconfig), HOSTNAME="kvpilot-operator-e2e")
     # On a shared cluster it watches only the run's namespace.
     scope = ["-n", target.namespace] if target.real else ["-A"]
     argv = [sys.executable, "-m", "kvpilot.operator", *scope, "--standalone", "--metrics-port", "0",
             "--scrape-timeout", "1"]
-    return procs.spawn(argv, env, cfg.workdir / "operator.log")
+    return procs.spawn(argv, env, workdir / "operator.log")
 
 
 async def run(cfg: Config) -> Report:
@@ -243,7 +269,7 @@ async def run(cfg: Config) -> Report:
             kube = target.kube
             cfg.namespace = target.namespace  # a cluster run has a namespace of its own
             rep.real_cluster, rep.node = target.real, target.node.name
-            operator = _start_operator(cfg, target)
+            operator = start_operator(cfg.workdir, target)
             # On a cluster the controller-manager runs the ReplicaSets; on the emulator the agent does.
             agent = NodeAgent(kube, cfg.namespace, cfg.workdir, node=target.node, replicasets=not target.real,
                               node_env={"KVPILOT_CACHE_DIR": str(node_model_cache())})
@@ -290,10 +316,12 @@ async def run(cfg: Config) -> Report:
     return rep
 
 
-async def _phase(rep: Report, name: str, body: Callable[[], Awaitable[None]]) -> bool:
+async def run_phase(rep: Phases, name: str, body: Callable[[], Awaitable[None]]) -> bool:
+    """Run one phase into the report: its error, or its name in `done`. Nothing runs after a failed one."""
     if rep.errors:  # an earlier phase failed: this one cannot run
         return False
-    rep.monitor.phase = name  # type: ignore[union-attr]
+    if rep.monitor is not None:
+        rep.monitor.phase = name
     try:
         await body()
     except Exception as e:  # noqa: BLE001 - recorded for the tests, which fail with it
@@ -471,13 +499,13 @@ class _Scenarios:
         await until(lambda: self.load.inflight == 0, 120, "the last requests finish")
 
     async def run(self) -> None:
-        await _phase(self.rep, "apply", self.apply)
-        await _phase(self.rep, "scale-up", self.scale_up)
+        await run_phase(self.rep, "apply", self.apply)
+        await run_phase(self.rep, "scale-up", self.scale_up)
         if self.cfg.kill:
-            await _phase(self.rep, "sigkill", self.sigkill)
-        await _phase(self.rep, "scale-down", self.scale_down)
+            await run_phase(self.rep, "sigkill", self.sigkill)
+        await run_phase(self.rep, "scale-down", self.scale_down)
         if self.cfg.rollout:
-            await _phase(self.rep, "rollout", self.rollout)
+            await run_phase(self.rep, "rollout", self.rollout)
         self.mon.phase = "end"
 
 

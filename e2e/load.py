@@ -66,6 +66,23 @@ class Record:
         return self.attempts[-1] if self.ok and self.attempts else None
 
 
+@dataclass
+class StreamRecord:
+    """One streamed completion, as the client saw it: when it was sent, when text first came, how it ended."""
+
+    job: Job
+    phase: str
+    pod: str  # where it was sent (a router, with routing)
+    start: float
+    first_token: float | None = None
+    end: float = 0.0
+    chunks: int = 0  # chunks that carried text
+    text: str = ""
+    finish_reason: str | None = None
+    outcome: str = ""  # completed | error-event | truncated | connection | error:<status> | timeout
+    error: dict[str, Any] | None = None  # the SSE error event's body, for error-event
+
+
 class LoadGenerator:
     def __init__(self, endpoints: Callable[[], Sequence[Endpoint]], clock: Callable[[], float] = time.monotonic,
                  api_key: str = "e2e") -> None:
@@ -73,6 +90,7 @@ class LoadGenerator:
         self.clock = clock
         self.api_key = api_key
         self.records: list[Record] = []
+        self.streams: list[StreamRecord] = []
         self._ids = itertools.count()
         self._rr = itertools.count()
         self._clients: dict[str, openai.AsyncOpenAI] = {}
@@ -149,6 +167,49 @@ class LoadGenerator:
             rec.completion_tokens = resp.usage.completion_tokens if resp.usage else None
             return
         rec.lost = f"gave up after {len(rec.attempts)} attempts"
+
+    async def stream(self, job: Job, phase: str, progress: Callable[[StreamRecord], None] | None = None,
+                     ) -> StreamRecord:
+        """One streamed request, never retried: how the stream ended is what it measures. `progress` is
+        called after each chunk with text."""
+        ep = None
+        while ep is None:  # no endpoint yet: as in _run, a Service with none
+            ep = self._pick(None, 0)
+            if ep is None:
+                await asyncio.sleep(0.25)
+        rec = StreamRecord(job=job, phase=phase, pod=ep.pod, start=self.clock())
+        self.streams.append(rec)
+        self.inflight += 1
+        try:
+            await self._read_stream(rec, ep, progress)
+        finally:
+            self.inflight -= 1
+            rec.end = self.clock()
+        return rec
+
+    async def _read_stream(self, rec: StreamRecord, ep: Endpoint,
+                           progress: Callable[[StreamRecord], None] | None) -> None:
+        try:
+            chunks = await self._client(ep).completions.create(
+                model=MODEL_NAME, prompt=rec.job.prompt, max_tokens=rec.job.max_tokens, temperature=0.0, stream=True)
+            async for chunk in chunks:
+                choice = chunk.choices[0] if chunk.choices else None
+                if choice is not None and choice.text:
+                    rec.first_token = rec.first_token or self.clock()
+                    rec.chunks += 1
+                    rec.text += choice.text
+                    if progress is not None:
+                        progress(rec)
+                if choice is not None and choice.finish_reason:
+                    rec.finish_reason = choice.finish_reason
+        except openai.APIStatusError as e:
+            rec.outcome = f"error:{e.status_code}"
+        except (openai.APIConnectionError, openai.APITimeoutError) as e:  # cut without an error event
+            rec.outcome = "timeout" if isinstance(e, openai.APITimeoutError) else "connection"
+        except openai.APIError as e:  # the client raises this for an SSE event that carries an error
+            rec.outcome, rec.error = "error-event", e.body if isinstance(e.body, dict) else {"message": str(e)}
+        else:
+            rec.outcome = "completed" if rec.finish_reason else "truncated"
 
     async def clients(self, n: int, jobs: Sequence[Job], phase: str, stop: asyncio.Event,
                       deadline: float, sticky: bool = False) -> None:

@@ -27,13 +27,14 @@ class NodeSpec:
     capacity: dict[str, str] = field(default_factory=lambda: {"cpu": "4", "memory": "16Gi", GPU: "0"})
     max_pods: int = 110
     since: str = field(default_factory=now_iso)  # the conditions' lastTransitionTime: they never change
+    tainted: bool = True  # False only where nothing else could land on it (the emulator)
 
     def labels(self) -> dict[str, str]:
         return {"kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux", NODE_LABEL: self.name,
                 "kubernetes.io/arch": {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), "amd64")}
 
     def taints(self) -> list[dict[str, str]]:
-        return [{"key": TAINT_KEY, "value": self.name, "effect": "NoSchedule"}]
+        return [{"key": TAINT_KEY, "value": self.name, "effect": "NoSchedule"}] if self.tainted else []
 
     def allocatable(self) -> dict[str, str]:
         return {**self.capacity, "pods": str(self.max_pods)}

@@ -52,7 +52,11 @@ class Target:
 
 
 @contextlib.asynccontextmanager
-async def open_target(workdir: Path, namespace: str, capacity: dict[str, str]) -> AsyncIterator[Target]:
+async def open_target(workdir: Path, namespace: str, capacity: dict[str, str],
+                      emulator_taint: bool = True) -> AsyncIterator[Target]:
+    """The cluster of E2E_KUBECONFIG, else the emulator. `emulator_taint=False` registers the emulator's node
+    without its taint, for pods that cannot carry the toleration (nothing else runs there); a cluster's node
+    always has it."""
     path = os.environ.get(ENV)
     if path:
         async with cluster(Path(path), namespace, capacity) as t:
@@ -61,7 +65,7 @@ async def open_target(workdir: Path, namespace: str, capacity: dict[str, str]) -
     async with emulator() as kube:
         await kube.apply_crd()
         yield Target(kube, write_kubeconfig(workdir / "kubeconfig", kube.url), False, namespace,
-                     NodeSpec(NODE_NAME, capacity))
+                     NodeSpec(NODE_NAME, capacity, tainted=emulator_taint))
 
 
 async def preflight(kube: Kube, path: Path) -> dict:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from .picker import PickerConfig
 from .proxy import ProxyConfig
 from .server import RouterSettings, serve
+from .tokenize_pool import INLINE_CHARS
 
 ENV_PREFIX = "KVPILOT_ROUTER_"
 
@@ -48,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--load-cap", type=float, default=PickerConfig.load_cap, help="affinity may put a replica this share above the mean")
     a("--kv-full", type=float, default=0.95, help="KV usage above which a replica takes no affinity traffic")
     a("--hash-blocks", type=int, default=1, help="leading blocks that seed the consistent hash")
+    a("--queue-weight", type=float, default=PickerConfig.queue_weight, help="extra cost of a waiting request "
+      "(a request counts 1; a waiting one 1 + this)")
+    a("--kv-weight", type=float, default=PickerConfig.kv_weight, help="cost of a full KV cache, in requests")
+    a("--replica-slots", type=float, default=None, help="requests a replica runs at once (the daemons' "
+      "--max-num-seqs): one more would queue there (default: learned from the scraped running/waiting)")
+    a("--tokenize-threads", type=int, default=2, help="threads that encode long prompts off the event loop "
+      "(0: all inline)")
+    a("--tokenize-inline-chars", type=int, default=INLINE_CHARS, help="prompts shorter than this (characters, "
+      "chat template applied) are encoded inline: the thread hand-off costs more")
     a("--index-blocks", type=int, default=200_000, help="block hashes the prefix index remembers")
     a("--session-capacity", type=int, default=100_000)
     a("--scrape-interval", type=float, default=1.0)
@@ -66,9 +76,12 @@ def settings_from_args(ns: argparse.Namespace) -> RouterSettings:
     if session is not None and session != "user" and not (session.startswith("header:") and len(session) > 7):
         raise ValueError(f"--session: expected off, user or header:<Name>, got {ns.session!r}")
     picker = PickerConfig(prefix=ns.prefix, load=ns.load, session=session is not None, load_cap=ns.load_cap,
-                          kv_full=ns.kv_full, hash_blocks=ns.hash_blocks)
+                          kv_full=ns.kv_full, hash_blocks=ns.hash_blocks, queue_weight=ns.queue_weight,
+                          kv_weight=ns.kv_weight, slots=ns.replica_slots)
     proxy = ProxyConfig(hold_max=ns.hold_max, hold_timeout=ns.hold_timeout, connect_timeout=ns.connect_timeout,
                         retry_after=ns.retry_after)
+    if ns.tokenize_threads < 0 or ns.tokenize_inline_chars < 0:
+        raise ValueError("--tokenize-threads and --tokenize-inline-chars must be >= 0")
     if not ns.endpoints and not ns.service:
         raise ValueError("give --endpoints (static) or --service (EndpointSlice discovery)")
     return RouterSettings(host=ns.host, port=ns.port, endpoints=ns.endpoints, service=ns.service,
@@ -76,7 +89,8 @@ def settings_from_args(ns: argparse.Namespace) -> RouterSettings:
                           block_size=ns.block_size, picker=picker, proxy=proxy, index_blocks=ns.index_blocks,
                           session_source=session, session_capacity=ns.session_capacity,
                           scrape_interval=ns.scrape_interval, scrape_timeout=ns.scrape_timeout,
-                          metrics_path=ns.metrics_path)
+                          metrics_path=ns.metrics_path, tokenize_threads=ns.tokenize_threads,
+                          tokenize_inline_chars=ns.tokenize_inline_chars)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,8 +22,11 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0
 class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.decisions = Counter("kvpilot:router_decisions", "Routing decisions by reason "
-                                 "(session, prefix, hash, load, fallback).", ["reason"], registry=r)
+        self.decisions = Counter("kvpilot:router_decisions", "Routing decisions by reason: session, prefix, "
+                                 "hash (the request's home by affinity), spill (moved off its home by load: "
+                                 "over the cap, KV full, or it would queue there while another replica has "
+                                 "room), load (nothing to route by), fallback (every replica over the cap).",
+                                 ["reason"], registry=r)
         self.inflight = Gauge("kvpilot:router_endpoint_inflight", "Requests this router has in flight per "
                               "endpoint.", ["endpoint"], registry=r)
         self.prompt_tokens = Counter("kvpilot:router_prompt_tokens", "Prompt tokens of routed requests "
@@ -39,9 +42,12 @@ class RouterMetrics:
                                      "with an SSE error event.", registry=r)
         self.responses = Counter("kvpilot:router_responses", "Responses to clients by status code.", ["code"],
                                  registry=r)
-        self.overhead = Histogram("kvpilot:router_decision_seconds", "Time to tokenize, hash and pick, per "
-                                  "request.", buckets=OVERHEAD_BUCKETS, registry=r)
+        self.overhead = Histogram("kvpilot:router_decision_seconds", "Wall time to tokenize, hash and pick, "
+                                  "per request, by where the prompt was encoded (inline on the event loop, "
+                                  "pool: on a tokenizer thread, the wait for one included; none: nothing to "
+                                  "encode).", ["tokenize"], buckets=OVERHEAD_BUCKETS, registry=r)
         self._decision_children: dict[str, Any] = {}
+        self._overhead_children: dict[str, Any] = {}
         self._inflight_children: dict[str, Any] = {}
         self.endpoints_fn: Callable[[], int] = lambda: 0
         Gauge("kvpilot:router_ready_endpoints", "Ready endpoints known to the router.",
@@ -52,6 +58,12 @@ class RouterMetrics:
         if child is None:  # labels() takes a lock and builds a tuple: once per reason is enough
             child = self._decision_children[reason] = self.decisions.labels(reason)
         child.inc()
+
+    def decision_time(self, tokenized: str, seconds: float) -> None:
+        child = self._overhead_children.get(tokenized)
+        if child is None:
+            child = self._overhead_children[tokenized] = self.overhead.labels(tokenized)
+        child.observe(seconds)
 
     def set_inflight(self, endpoint: str, n: int) -> None:
         child = self._inflight_children.get(endpoint)

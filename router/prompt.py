@@ -3,11 +3,16 @@
 The token ids must be the daemon's: the same tokenizer, the same chat template, the same special-token
 rules (daemon/serving.py). A body the daemon would reject yields no hashes; the router then routes on
 load alone and lets the daemon answer the error.
+
+Two stages, because they cost differently: `prompt_input` (parse the body, render the chat template) is
+Python that holds the GIL; `encode` is, for a Hugging Face fast tokenizer, Rust that releases it, so
+only it is worth moving off the event loop (router/tokenize_pool.py does that for long texts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpilot.block_hash import hash_prompt_blocks
@@ -45,41 +50,110 @@ def load_tokenizer(model: str) -> Tokenizer:
     return AutoTokenizer.from_pretrained(str(resolve_model_path(model)))
 
 
+@dataclass(frozen=True)
+class PromptInput:
+    """What is left to do for one prompt: a text to encode, or token ids the client sent."""
+
+    text: str | None = None
+    add_special_tokens: bool = False
+    ids: list[int] | None = None
+
+
+Encoder = Callable[[str, bool], list[int]]
+
+# Texts the fast path must tokenize exactly as the tokenizer does before it is trusted: plain words,
+# leading spaces, non-ASCII, and (added per tokenizer) its special tokens inside text.
+_PROBES = ("Hello, world!", "  two leading spaces\nand a newline", "émoji 🤖 und 中文 text", "x" * 300)
+
+
+def fast_encoder(tokenizer: Any) -> Encoder | None:
+    """The backend's `encode_batch_fast` (no offsets: about twice as fast, and it releases the GIL for all
+    of its work), if this is a Hugging Face fast tokenizer and it agrees with `tokenizer.encode`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    batch = getattr(backend, "encode_batch_fast", None)
+    if batch is None:
+        return None
+
+    def encode(text: str, add_special_tokens: bool) -> list[int]:
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    specials = " ".join(str(t) for t in getattr(tokenizer, "all_special_tokens", ()) or ())
+    try:
+        for text in (*_PROBES, f"a {specials} b"):
+            for special in (False, True):
+                if encode(text, special) != list(tokenizer.encode(text, add_special_tokens=special)):
+                    return None
+    except Exception:  # any doubt: the tokenizer's own encode is always right
+        return None
+    return encode
+
+
 class PromptHasher:
     def __init__(self, tokenizer: Tokenizer, block_size: int = 16) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
+        self._fast = fast_encoder(tokenizer)
+
+    @property
+    def fast(self) -> bool:
+        return self._fast is not None
+
+    @property
+    def releases_gil(self) -> bool:
+        """Whether `encode` lets other threads run meanwhile (only then is a worker thread worth it).
+        True for the fast path; another tokenizer may say so with a `releases_gil` attribute."""
+        return self._fast is not None or bool(getattr(self.tokenizer, "releases_gil", False))
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt tokens the daemon would compute; None when there is nothing to go by."""
+        inp = self.prompt_input(path, body)
+        if inp is None or inp.ids is not None:
+            return None if inp is None else inp.ids
+        assert inp.text is not None
+        return self.encode(inp.text, inp.add_special_tokens)
+
+    def prompt_input(self, path: str, body: dict[str, Any]) -> PromptInput | None:
+        """The text to encode (chat template applied) or the client's token ids; None: nothing to go by."""
         try:
             if path.endswith("/chat/completions"):
-                return self._chat_ids(body)
+                return PromptInput(self._chat_text(body), add_special_tokens=False)
             if path.endswith("/completions"):
-                return self._completion_ids(body.get("prompt"))
+                return _completion_input(body.get("prompt"))
         except APIError:
             return None
-        except Exception:  # a template or tokenizer error is the daemon's to report, not a routing failure
+        except Exception:  # a template error is the daemon's to report, not a routing failure
             return None
         return None
 
-    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        """Token ids of a text; None if the tokenizer fails (the daemon will say why). Thread-safe."""
+        try:
+            if self._fast is not None:
+                return self._fast(text, add_special_tokens)
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception:  # a tokenizer error is the daemon's to report
+            return None
+
+    def _chat_text(self, body: dict[str, Any]) -> str:
         req = parse_chat_request(body)
         text = self.tokenizer.apply_chat_template(req.messages, tokenize=False,
                                                   add_generation_prompt=req.add_generation_prompt,
                                                   continue_final_message=req.continue_final_message)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def _completion_ids(self, prompt: Any) -> list[int] | None:
-        # A batch routes as a whole: its first prompt decides.
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        return None
+        if not isinstance(text, str):
+            raise TypeError(f"the chat template gave {type(text).__name__}, not text")
+        return text
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
         """The engine's keys for these tokens: a salted prompt's blocks are its tenant's alone there too."""
         return hash_prompt_blocks(token_ids, self.block_size, (cache_salt,) if cache_salt else ())
+
+
+def _completion_input(prompt: Any) -> PromptInput | None:
+    # A batch routes as a whole: its first prompt decides.
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return PromptInput(prompt, add_special_tokens=True)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return PromptInput(ids=list(prompt))
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,14 +88,18 @@ class Proxy:
             resp.force_close()  # the rest of the body cannot be read, so the connection cannot be reused
             return self._count(resp)
         body = _json_object(raw) if request.method == "POST" else None
-        with self.state.metrics.overhead.time():
-            key = self.state.route_key(request.path, body, request.headers)
+        started = time.perf_counter()
+        key = await self.state.route_key(request.path, body, request.headers)
+        decided = time.perf_counter() - started  # wall time, a wait for a tokenizer thread included
         if not await self._hold():
             return self._count(error_response(503, "no replica is ready; retry later", "no_ready_replica",
                                               self.config.retry_after))
         att = _Attempts()
         while True:
+            started = time.perf_counter()
             chosen = self.state.choose(key, att.tried)
+            if not att.tried:  # the first pick is the router's overhead; retries are the replicas' doing
+                self.state.metrics.decision_time(key.tokenized, decided + time.perf_counter() - started)
             if chosen is None:
                 return self._count(self._exhausted(att))
             ep, decision = chosen

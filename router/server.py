@@ -20,6 +20,7 @@ from .picker import Picker, PickerConfig
 from .prompt import PromptHasher, Tokenizer, load_tokenizer
 from .proxy import Proxy, ProxyConfig
 from .state import RouterState
+from .tokenize_pool import INLINE_CHARS, TokenizePool
 from .upstream_metrics import LoadScraper
 
 log = logging.getLogger("kvpilot.router")
@@ -43,6 +44,8 @@ class RouterSettings:
     scrape_interval: float = 1.0
     scrape_timeout: float = 1.0
     metrics_path: str = "/metrics"
+    tokenize_threads: int = 2  # worker threads that encode long prompts off the event loop (0: inline)
+    tokenize_inline_chars: int = INLINE_CHARS  # shorter texts are encoded inline
 
 
 STATE_KEY = web.AppKey("router_state", RouterState)
@@ -83,8 +86,9 @@ async def _background(app: web.Application):
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     scraper = LoadScraper(endpoints, session, s.scrape_interval, s.scrape_timeout, s.metrics_path) \
         if s.picker.load else None
+    tokens = TokenizePool(app[HASHER_KEY], s.tokenize_threads, s.tokenize_inline_chars)
     state = RouterState(endpoints, Picker(s.picker), app[HASHER_KEY], app[METRICS_KEY], scraper, s.index_blocks,
-                        s.session_source, s.session_capacity)
+                        s.session_source, s.session_capacity, tokens)
     app[STATE_KEY] = state
     app[PROXY_KEY] = Proxy(state, session, s.proxy)
     tasks: list[asyncio.Task] = []
@@ -105,6 +109,7 @@ async def _background(app: web.Application):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await session.close()
+        tokens.close()
         if kube is not None:
             await kube.close()
 

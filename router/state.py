@@ -13,6 +13,7 @@ from .metrics import RouterMetrics
 from .picker import Decision, EndpointLoad, Picker
 from .prefix_index import PrefixIndex
 from .prompt import PromptHasher
+from .tokenize_pool import TokenizePool
 from .upstream_metrics import LoadScraper
 
 
@@ -23,6 +24,7 @@ class RouteKey:
     hashes: list[bytes] = field(default_factory=list)
     prompt_tokens: int = 0
     session: str | None = None
+    tokenized: str = "none"  # where the prompt was encoded: none, inline or pool (router/tokenize_pool.py)
 
 
 class SessionTable:
@@ -52,10 +54,12 @@ class SessionTable:
 class RouterState:
     def __init__(self, endpoints: EndpointSet, picker: Picker, hasher: PromptHasher, metrics: RouterMetrics,
                  scraper: LoadScraper | None = None, index_blocks: int = 200_000,
-                 session_source: str | None = None, session_capacity: int = 100_000) -> None:
+                 session_source: str | None = None, session_capacity: int = 100_000,
+                 tokens: TokenizePool | None = None) -> None:
         self.endpoints = endpoints
         self.picker = picker
         self.hasher = hasher
+        self.tokens = tokens if tokens is not None else TokenizePool(hasher, threads=0)
         self.metrics = metrics
         self.scraper = scraper
         self.index = PrefixIndex(index_blocks)
@@ -63,6 +67,9 @@ class RouterState:
         self.sessions = SessionTable(session_capacity)
         self.inflight: dict[str, int] = {}
         self.cooldown: dict[str, float] = {}  # endpoint -> monotonic time it may be picked again
+        # the most requests a replica was seen running while others waited there: how many it runs at
+        # once (the replicas of one deployment are alike), so a busy one is known before its queue shows
+        self.slots: float | None = None
         metrics.endpoints_fn = lambda: len(self.endpoints)
         endpoints.on_removed.append(self._forget)
 
@@ -75,15 +82,17 @@ class RouterState:
 
     # ---- decisions --------------------------------------------------------------------------------
 
-    def route_key(self, path: str, body: dict[str, Any] | None, headers: Mapping[str, str]) -> RouteKey:
+    async def route_key(self, path: str, body: dict[str, Any] | None,
+                        headers: Mapping[str, str]) -> RouteKey:
         session = self._session_key(body, headers)
-        if body is None or not (self.picker.config.prefix or self.picker.config.session):
+        if body is None or not self.picker.config.prefix:
             return RouteKey(session=session)
-        ids = self.hasher.token_ids(path, body) if self.picker.config.prefix else None
-        if not ids:
-            return RouteKey(session=session)
+        tokens = await self.tokens.token_ids(path, body)
+        if not tokens.ids:
+            return RouteKey(session=session, tokenized=tokens.where)
         salt = body.get("cache_salt")
-        return RouteKey(self.hasher.hashes(ids, salt if isinstance(salt, str) else None), len(ids), session)
+        hashes = self.hasher.hashes(tokens.ids, salt if isinstance(salt, str) else None)
+        return RouteKey(hashes, len(tokens.ids), session, tokens.where)
 
     def _session_key(self, body: dict[str, Any] | None, headers: Mapping[str, str]) -> str | None:
         src = self.session_source
@@ -99,6 +108,8 @@ class RouterState:
         out = []
         for ep in self.endpoints.all():
             s = self.scraper.fresh(ep.name, now) if self.scraper is not None else None
+            if s is not None and s.waiting > 0 and s.running >= 1:
+                self.slots = max(self.slots or 0.0, s.running)
             out.append(EndpointLoad(ep.name, self.inflight.get(ep.name, 0), s.running if s else None,
                                     s.waiting if s else None, s.kv_usage if s else None))
         return out
@@ -121,7 +132,7 @@ class RouterState:
         names = [ep.name for ep in self.endpoints.all()]
         cached = self.index.match(key.hashes, names) if key.hashes else {}
         d = self.picker.pick(self.loads(), key.hashes, cached, self.sessions.get(key.session),
-                             self._cooling(exclude))
+                             self._cooling(exclude), self.slots)
         if d is None:
             return None
         ep = self.endpoints.get(d.endpoint)

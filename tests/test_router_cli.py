@@ -16,6 +16,12 @@ def test_flags_become_settings():
     s = settings_from_args(ns)
     assert not s.picker.prefix and s.picker.session and s.picker.load_cap == 0.5
     assert s.session_source == "header:X-Chat" and s.proxy.hold_timeout == 3.0
+    assert s.picker.slots is None and s.tokenize_threads == 2 and s.tokenize_inline_chars == 1024
+    ns = build_parser().parse_args(["--endpoints", "127.0.0.1:1", "--replica-slots", "8", "--queue-weight", "2",
+                                    "--kv-weight", "0.5", "--tokenize-threads", "0", "--tokenize-inline-chars", "99"])
+    s = settings_from_args(ns)
+    assert (s.picker.slots, s.picker.queue_weight, s.picker.kv_weight) == (8.0, 2.0, 0.5)
+    assert (s.tokenize_threads, s.tokenize_inline_chars) == (0, 99)
 
 
 def test_environment_sets_defaults_and_flags_win(monkeypatch):
@@ -28,7 +34,9 @@ def test_environment_sets_defaults_and_flags_win(monkeypatch):
     assert s.block_size == 16
 
 
-@pytest.mark.parametrize("argv", [[], ["--endpoints", "x:1", "--session", "cookie"]])
+@pytest.mark.parametrize("argv", [[], ["--endpoints", "x:1", "--session", "cookie"],
+                                  ["--endpoints", "x:1", "--tokenize-threads", "-1"],
+                                  ["--endpoints", "x:1", "--replica-slots", "0"]])
 def test_bad_arguments_are_refused(argv, monkeypatch):
     monkeypatch.delenv("KVPILOT_ROUTER_SERVICE", raising=False)
     monkeypatch.delenv("KVPILOT_ROUTER_ENDPOINTS", raising=False)

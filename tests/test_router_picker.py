@@ -63,7 +63,7 @@ def test_load_cap_stops_affinity_and_spill_follows_the_hash_ranking():
     loads = [EndpointLoad(n, inflight=10 if n == rank[0] else 1) for n in NAMES]
     # mean is (13+1)/4 = 3.5; cap ceil(2*3.5)=7: the owner (10) is over it, the prefix holder too
     d = Picker().pick(loads, h, cached={rank[0]: 4})
-    assert d is not None and d.endpoint == rank[1] and d.reason == "load"
+    assert d is not None and d.endpoint == rank[1] and d.reason == "spill"
     # a large cap lets affinity win again
     d = Picker(PickerConfig(load_cap=10.0)).pick(loads, h, cached={rank[0]: 4})
     assert d is not None and d.endpoint == rank[0] and d.reason == "prefix"
@@ -210,7 +210,7 @@ def test_slice_endpoints_ready_only_and_named_port():
     assert slice_endpoints({**s, "addressType": "FQDN"}, "http") == []
 
 
-def test_route_key_session_sources():
+async def test_route_key_session_sources():
     from kvpilot.router.endpoints import EndpointSet
     from kvpilot.router.metrics import RouterMetrics
     from kvpilot.router.state import RouterState
@@ -220,7 +220,7 @@ def test_route_key_session_sources():
                            RouterMetrics(), session_source=source)
 
     body = {"messages": [{"role": "user", "content": "hi " * 20}], "user": "alice"}
-    assert state("user").route_key("/v1/chat/completions", body, {}).session == "alice"
-    key = state("header:X-Chat").route_key("/v1/chat/completions", body, {"X-Chat": "c-9"})
-    assert key.session == "c-9" and key.hashes and key.prompt_tokens > 16
-    assert state("user", session=False).route_key("/v1/chat/completions", body, {}).session is None
+    assert (await state("user").route_key("/v1/chat/completions", body, {})).session == "alice"
+    key = await state("header:X-Chat").route_key("/v1/chat/completions", body, {"X-Chat": "c-9"})
+    assert key.session == "c-9" and key.hashes and key.prompt_tokens > 16 and key.tokenized == "inline"
+    assert (await state("user", session=False).route_key("/v1/chat/completions", body, {})).session is None

@@ -16,7 +16,7 @@ from kvpilot.router.picker import PickerConfig
 from kvpilot.router.prompt import ByteTokenizer
 from kvpilot.router.proxy import ProxyConfig
 from kvpilot.router.server import ENDPOINTS_KEY, RouterSettings, router_state
-from support.router_fakes import FakeReplica, RouterServer
+from support.router_fakes import FakeReplica, RouterServer, SlowTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,8 +35,9 @@ async def router(reps: list[FakeReplica], **kw) -> RouterServer:
     picker = kw.pop("picker", PickerConfig())
     proxy = kw.pop("proxy", ProxyConfig(connect_timeout=1.0))
     endpoints = kw.pop("endpoints", ",".join(r.url for r in reps))
+    tokenizer = kw.pop("tokenizer", None) or ByteTokenizer()
     s = RouterSettings(endpoints=endpoints, picker=picker, proxy=proxy, scrape_interval=0.1, **kw)
-    return await RouterServer(s, tokenizer=ByteTokenizer()).start()
+    return await RouterServer(s, tokenizer=tokenizer).start()
 
 
 @pytest.fixture
@@ -353,5 +354,77 @@ async def test_gzip_bodies_are_decoded_once_and_bad_ones_are_a_400(three):
             async with s.post(rs.url + "/v1/completions", data=b"not gzip at all", headers=headers) as r:
                 assert r.status == 400
                 assert (await r.json())["error"]["type"] == "invalid_request_error"
+    finally:
+        await rs.stop()
+
+
+async def _stream_arrivals(s: aiohttp.ClientSession, rs: RouterServer, out: list[float]) -> None:
+    async with s.post(rs.url + "/v1/chat/completions",
+                      json={"model": "m", "messages": chat("stream on"), "stream": True}) as resp:
+        async for _ in resp.content.iter_any():
+            out.append(time.monotonic())  # noqa: PERF401 - the caller reads `out` while this runs
+
+
+@pytest.mark.parametrize("inline_chars", [1024, 10**9], ids=["offloaded", "all-inline-control"])
+async def test_a_slow_tokenization_does_not_stall_other_streams(three, inline_chars):
+    """One client's long prompt takes a second to tokenize; another client's stream must keep flowing
+    meanwhile. The control run encodes every prompt inline and shows the stall this test detects."""
+    tok = SlowTokenizer(delay=1.0, slow_chars=4000)
+    for r in three:
+        r.behaviour.chunks, r.behaviour.chunk_delay = 40, 0.05  # a 2 s stream, a chunk every 50 ms
+    rs = await router(three, tokenizer=tok, tokenize_inline_chars=inline_chars)
+    try:
+        arrivals: list[float] = []
+        async with aiohttp.ClientSession() as s:
+            reader = asyncio.create_task(_stream_arrivals(s, rs, arrivals))
+            while len(arrivals) < 3:  # the stream is flowing
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            async with s.post(rs.url + "/v1/chat/completions",
+                              json={"model": "m", "messages": chat("long " * 1000)}) as r:
+                assert r.status == 200
+            t1 = time.monotonic()
+            await reader
+        assert len(tok.slow_threads) == 1 and t1 - t0 >= 1.0  # the slow tokenization did run, in that time
+        during = [t for t in arrivals if t0 <= t <= t1]
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+        if inline_chars == 1024:
+            assert tok.slow_threads[0].startswith("kvpilot-tokenize")
+            assert len(during) >= 10 and max(gaps) < 0.5, gaps  # chunks kept coming every ~50 ms
+        else:
+            assert tok.slow_threads[0] == "MainThread" and max(gaps) >= 0.9  # the whole loop stood still
+        assert await metric(rs, "kvpilot:router_decision_seconds_count",
+                            tokenize="pool" if inline_chars == 1024 else "inline") >= 1
+    finally:
+        await rs.stop()
+
+
+async def test_a_queued_replica_spills_its_tenant_to_a_second_replica(three):
+    rs = await router(three)
+    try:
+        c = client(rs)
+        first = await c.chat.completions.with_raw_response.create(model="m", messages=chat("q0"))
+        home = next(r for r in three if r.requests)
+        assert first.headers["x-kvpilot-route"] == "hash"
+        home.behaviour.running, home.behaviour.waiting = 4, 2  # the home now has a queue; the others are idle
+        assert rs.app is not None
+        scraper = router_state(rs.app).scraper
+        assert scraper is not None
+        for _ in range(50):
+            s = scraper.fresh(first.headers["x-kvpilot-endpoint"])
+            if s is not None and s.waiting == 2:
+                break
+            await asyncio.sleep(0.05)
+        routes = []
+        for i in range(4):
+            raw = await c.chat.completions.with_raw_response.create(model="m", messages=chat(f"q{i + 1}"))
+            routes.append((raw.headers["x-kvpilot-endpoint"], raw.headers["x-kvpilot-route"]))
+        second = routes[0][0]
+        assert second != first.headers["x-kvpilot-endpoint"] and routes[0][1] == "spill"
+        # the second replica now holds the tenant's prefix too: it is a home, no longer a spill
+        assert routes[1:] == [(second, "prefix")] * 3
+        assert sorted(served(three)) == [0, 1, 4]  # the third replica was never needed
+        assert await metric(rs, "kvpilot:router_decisions_total", reason="spill") == 1
+        assert router_state(rs.app).slots == 4  # learned from the queue: a replica runs 4 at once
     finally:
         await rs.stop()

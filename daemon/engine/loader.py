@@ -403,9 +403,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except (KeyError, RuntimeError) as e:
         raise ValueError(f"model {uri!r}: weights in {str(path)!r} do not fit {model_cls.__name__}: {e}") from e
     model.eval()
+    packed = bool(getattr(model, "prepack_weights", None) and model.prepack_weights())
     logger.info(
-        "loaded %s (%s) from %s on %s in %s in %.1fs",
+        "loaded %s (%s) from %s on %s in %s in %.1fs%s",
         uri, model_cls.__name__, path, device, dtype, time.perf_counter() - t0,
+        ", GEMM weights prepacked for oneDNN" if packed else "",
     )
     return LoadedModel(
         model=model,

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from kvpilot.router.prompt import ByteTokenizer
 from support.web_app import start_app
 
 
@@ -125,6 +127,28 @@ class FakeReplica:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+class SlowTokenizer(ByteTokenizer):
+    """UTF-8 bytes, but a text of `slow_chars` or more takes `delay` seconds to encode, in a sleep that
+    releases the GIL as a Hugging Face fast tokenizer's Rust encode does: a long prompt's tokenization,
+    stretched so that a stall of the event loop is unmistakable."""
+
+    releases_gil = True  # what router/tokenize_pool.py asks before it uses a worker thread
+
+    def __init__(self, delay: float, slow_chars: int) -> None:
+        self.delay = delay
+        self.slow_chars = slow_chars
+        self.slow_threads: list[str] = []  # the thread each slow encode ran on
+        self.inline_threads: list[str] = []  # ... and each fast one
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) >= self.slow_chars:
+            self.slow_threads.append(threading.current_thread().name)
+            time.sleep(self.delay)
+        else:
+            self.inline_threads.append(threading.current_thread().name)
+        return super().encode(text, add_special_tokens)
 
 
 @dataclass

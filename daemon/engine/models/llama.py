@@ -21,6 +21,7 @@ from torch import nn
 from kvpilot import kernels
 
 from .base import AttentionMetadata
+from .linear import linear, prepack, prepack_supported
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
 
         # attention
-        qkv = F.linear(_rms_norm(x, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
+        qkv = linear(_rms_norm(x, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
         # q and k heads rotated together: one RoPE pass; HF's rotate_half layout (two halves)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, hd)
         x1, x2 = qk.chunk(2, dim=-1)
@@ -153,12 +154,12 @@ class LlamaDecoderLayer(nn.Module):
             max_context_len=meta.max_context_len,
             sliding_window=self.sliding_window,
         )
-        h = x + F.linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        h = x + linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
         # SwiGLU MLP
-        gu = F.linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
+        gu = linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
         gate, up = gu.split(self.inter, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return h + linear(F.silu(gate) * up, self.down_weight, self.down_bias)
 
 
 def _layer_sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -214,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
 
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
+        self.prepacked = False  # see prepack_weights
 
     def bind_kv_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
@@ -232,12 +234,37 @@ class LlamaForCausalLM(nn.Module):
         return _rms_norm(x, self.norm, self.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
+
+    # ------------------------------------------------------------------ prepacked weights
+
+    _PACKED = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+    def prepack_weights(self) -> bool:
+        """Swap the GEMM weights for oneDNN-prepacked copies (see ``linear``); False where unsupported.
+
+        Call after ``load_weights``. The dense weights are released, except the embedding table, which
+        the token lookup still reads: a tied LM head gets a packed copy of its own.
+        """
+        if self.prepacked or not prepack_supported(self.device, self.dtype):
+            return False
+        for layer in self.layers:
+            for name in self._PACKED:
+                packed = prepack(getattr(layer, name))
+                del layer._parameters[name]
+                layer.register_buffer(name, packed, persistent=False)
+        packed_head = prepack(self.lm_head)
+        del self._parameters["lm_head"]  # tied: the embedding stays registered as embed_tokens
+        self.register_buffer("lm_head", packed_head, persistent=False)
+        self.prepacked = True
+        return True
 
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (fusing q/k/v and gate/up); ``KeyError`` listing any missing ones."""
+        if self.prepacked:
+            raise RuntimeError("weights are prepacked; load them into a fresh model")
         expected = self._expected_names()
         loaded: set[str] = set()
         skipped: list[str] = []

@@ -12,7 +12,7 @@ bookkeeping are timed separately at the same batch size.
 adds, the embedding lookup and view/reshape glue. "runner python" is ``execute`` minus the model and
 batch building. GFLOP/s counts 2*m*n*k per GEMM.
 
-Usage: python bench/profile.py [--repeat 3] [--context 192] [--quick]
+Usage: python bench/step_profile.py [--repeat 3] [--context 192] [--quick]
 Writes bench/results/profile.json and bench/results/profile.md.
 """
 
@@ -88,10 +88,8 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
         kinds[id(layer.o_weight)] = "gemm_o"
         kinds[id(layer.gate_up_weight)] = "gemm_gate_up"
         kinds[id(layer.down_weight)] = "gemm_down"
-    # the model may hold prepacked copies: let it name them too
-    kinds.update({id(w): k for w, k in getattr(model, "profile_weight_kinds", dict)().items()})
 
-    plain_linear = torch.nn.functional.linear
+    plain_linear = llama.linear
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         kind = kinds.get(id(w), "other_linear")
@@ -101,9 +99,9 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
         timers.flops[kind] += 2.0 * x.numel() * w.shape[0]
         return out
 
-    saved = (llama.F, llama._rms_norm, llama.kernels, cpu_native.paged_decode, reference.attend_prefill_chunks,
+    saved = (llama.linear, llama._rms_norm, llama.kernels, cpu_native.paged_decode, reference.attend_prefill_chunks,
              runner._prepare, runner.model.forward)
-    llama.F = _Proxy(torch.nn.functional, linear=linear)
+    llama.linear = linear
     llama._rms_norm = timers.wrap("norms", llama._rms_norm)
     attn = timers.wrap("attention_call", kernels.paged_attention)
     llama.kernels = _Proxy(kernels, paged_attention=attn, store_kv=timers.wrap("kv_store", kernels.store_kv))
@@ -113,7 +111,7 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
     runner.model.forward = timers.wrap("model_forward", runner.model.forward)
 
     def restore() -> None:
-        (llama.F, llama._rms_norm, llama.kernels, cpu_native.paged_decode, reference.attend_prefill_chunks,
+        (llama.linear, llama._rms_norm, llama.kernels, cpu_native.paged_decode, reference.attend_prefill_chunks,
          runner._prepare, runner.model.forward) = saved
         del runner.model.forward, runner._prepare  # drop the instance attributes: class methods again
 
