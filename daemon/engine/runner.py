@@ -19,7 +19,7 @@ import torch
 
 from kvpilot import kernels
 
-from . import cuda_graphs
+from . import cuda_graphs, host_malloc
 from .config import EngineConfig
 from .loader import LoadedModel
 from .models import AttentionMetadata
@@ -110,6 +110,8 @@ class ModelRunner:
         self._threads_set_for: int | None = None  # thread whose intra-op pool we sized
         self._graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, built by warmup()
         self.last_prompt_logprobs: dict[int, PromptLogprobs] = {}  # of the latest execute()
+        if self.device.type == "cpu":
+            host_malloc.keep_freed_memory()
         self._ensure_threads()
 
     def _ensure_threads(self) -> None:

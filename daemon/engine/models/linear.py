@@ -33,7 +33,8 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def prepack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] in oneDNN's layout for any row count (no batch-size hint: decode and prefill
     steps of every size share one copy)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+    # oneDNN's linear ops are public only under these names (the ones inductor's CPU freezing calls)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)  # noqa: SLF001
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,5 +42,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         if not x.is_contiguous():
             x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # noqa: SLF001
     return F.linear(x, weight, bias)

