@@ -7,6 +7,8 @@ inferencePool mode: one InferencePool (Gateway API Inference Extension, v1) over
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import Any
 
 from kvpilot.operator import resources as r
@@ -53,6 +55,21 @@ def _router_metadata(meta: dict[str, Any]) -> dict[str, Any]:
     return _metadata(meta, router_name(meta["name"]), router_labels(meta["name"]))
 
 
+def daemon_max_num_seqs(spec: dict[str, Any]) -> int:
+    """The --max-num-seqs the daemons run with: engine.maxNumSeqs (defaulted by the CRD), unless
+    engine.extraArgs repeats the flag, which comes later on their command line and so wins (argparse)."""
+    value = int(spec["engine"]["maxNumSeqs"])
+    extra = [str(a) for a in spec["engine"].get("extraArgs", [])]
+    for i, arg in enumerate(extra):
+        flag, eq, inline = arg.partition("=")
+        if flag != "--max-num-seqs":
+            continue
+        raw = inline if eq else (extra[i + 1] if i + 1 < len(extra) else "")
+        with contextlib.suppress(ValueError):  # the daemon refuses it at startup: keep the spec's value
+            value = int(raw)
+    return value
+
+
 def router_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     args = [
         "--host", "0.0.0.0",
@@ -61,6 +78,8 @@ def router_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
         "--namespace", meta["namespace"],
         "--port-name", "http",
         "--block-size", str(spec["engine"]["blockSize"]),
+        # A replica running this many would queue the next one: the router sees it before a scrape does.
+        "--replica-slots", str(daemon_max_num_seqs(spec)),
     ]
     uri = spec["model"]["uri"]
     if not uri.startswith("pvc://"):  # the router pod mounts no volume; there it hashes UTF-8 bytes instead
@@ -100,18 +119,31 @@ def router_container(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, An
     }
 
 
-def router_pod_template(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    name = meta["name"]
+def router_affinity(name: str, router: dict[str, Any]) -> dict[str, Any]:
+    """spec.router.affinity over the default anti-affinity: two routers on one node would fall together, so
+    spread them where the scheduler can, unless the user's own podAntiAffinity says otherwise."""
     spread = {"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
                                                  "labelSelector": {"matchLabels": router_selector_labels(name)}}}
+    default = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [spread]}}
+    return {**default, **copy.deepcopy(router.get("affinity") or {})}
+
+
+def router_scheduling(router: dict[str, Any]) -> dict[str, Any]:
+    """spec.router's nodeSelector and tolerations, set only when given. Never the daemon's spec.nodeSelector
+    or spec.tolerations: those pick GPU nodes, and a CPU-only router must not take a GPU node's room."""
+    return {key: copy.deepcopy(router[key]) for key in ("nodeSelector", "tolerations") if router.get(key)}
+
+
+def router_pod_template(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    name = meta["name"]
     pod_spec: dict[str, Any] = {
         "serviceAccountName": router_name(name),
         "containers": [router_container(meta, spec)],
         "volumes": [{"name": "tmp", "emptyDir": {}}],
         "terminationGracePeriodSeconds": 30,
         "enableServiceLinks": False,
-        # Two routers on one node would fall together: spread them where the scheduler can.
-        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [spread]}},
+        **router_scheduling(spec["router"]),
+        "affinity": router_affinity(name, spec["router"]),
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},
     }

@@ -103,6 +103,10 @@ def autoscaling_node(s: dict[str, Any]) -> dict[str, Any]:
     return s["properties"]["spec"]["properties"]["autoscaling"]
 
 
+def router_node(s: dict[str, Any]) -> dict[str, Any]:
+    return s["properties"]["spec"]["properties"]["router"]["properties"]
+
+
 def test_the_refused_v1_32_crd_is_refused_here():
     """The rules as they were when a v1.32 server refused the CRD: read keys the `{}` default lacks."""
     s = copy.deepcopy(schema())
@@ -134,6 +138,11 @@ def test_a_default_that_breaks_a_rule_is_refused():
     (lambda s: s["properties"]["status"]["properties"]["conditions"]["items"]["required"].remove("type"),
      "list-map key type"),
     (lambda s: s["properties"]["spec"].update(additionalProperties=False), "mutually exclusive"),
+    (lambda s: router_node(s)["tolerations"].pop("items"), "spec.router.tolerations: an array needs items"),
+    (lambda s: router_node(s)["tolerations"]["items"]["properties"]["key"].pop("type"),
+     "spec.router.tolerations[].key: type is required"),
+    (lambda s: router_node(s)["nodeSelector"].update(properties={"a": {"type": "string"}}),
+     "spec.router.nodeSelector: properties and additionalProperties"),
 ])
 def test_structural_check_catches_what_the_server_refuses(mutate, fragment):
     s = copy.deepcopy(schema())
@@ -192,7 +201,31 @@ def examples() -> list[dict[str, Any]]:
             if d and d.get("kind") == "InferenceDeployment"]
 
 
-@pytest.mark.parametrize("example", examples(), ids=lambda e: e["metadata"]["name"])
+# Routers on a tainted CPU pool, every scheduling field set (the example file leaves nodeSelector commented:
+# applied as is, it would leave the routers Pending on a cluster without such nodes).
+ROUTER_ON_CPU_POOL = obj("routed-cpu-pool", {
+    "model": {"uri": "hf://org/m"},
+    "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+    "router": {
+        "enabled": True, "resources": {"cpu": "500m", "memory": "512Mi"},
+        "nodeSelector": {"node-pool": "cpu"},
+        "tolerations": [{"key": "node-pool", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"},
+                        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+                         "tolerationSeconds": 30}],
+        "affinity": {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "node-pool", "operator": "In", "values": ["cpu"]}]}]}},
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": "r"}}}]}},
+    },
+})
+
+
+def checked_examples() -> list[dict[str, Any]]:
+    return [*examples(), ROUTER_ON_CPU_POOL]
+
+
+@pytest.mark.parametrize("example", checked_examples(), ids=lambda e: e["metadata"]["name"])
 def test_examples_are_pruned_valid_and_pass_the_rules(example):
     assert example["apiVersion"] == "kvpilot.io/v1alpha1"
     assert checks.prune_object(example, schema()) == example, "the example has fields the server would drop"
@@ -204,6 +237,13 @@ def test_examples_are_pruned_valid_and_pass_the_rules(example):
 
 def test_there_is_an_example():
     assert examples()
+
+
+def test_the_router_example_places_its_routers():
+    routed = [e for e in examples() if e["spec"].get("router", {}).get("mode", "builtin") == "builtin"
+              and e["spec"].get("router", {}).get("enabled")]
+    assert any({"tolerations", "affinity"} <= e["spec"]["router"].keys() for e in routed)
+    assert "# nodeSelector:" in (EXAMPLES / "inferencedeployment-router.yaml").read_text()
 
 
 PICKER = {"name": "epp", "port": {"number": 9002}}
@@ -270,12 +310,53 @@ def test_model_uri_is_immutable():
     ({"router": {"mode": "inferencePool", "endpointPickerRef": {**PICKER, "failureMode": "Maybe"}}},
      "spec.router.endpointPickerRef.failureMode"),
     ({"service": {"type": "ExternalName"}}, "spec.service.type"),
+    ({"router": {"tolerations": "node-pool=cpu:NoSchedule"}}, "spec.router.tolerations"),
+    ({"router": {"tolerations": ["node-pool"]}}, "spec.router.tolerations.0"),
+    ({"router": {"tolerations": [{"key": "k", "operator": "In"}]}}, "spec.router.tolerations.0.operator"),
+    ({"router": {"tolerations": [{"key": "k", "effect": "NoRun"}]}}, "spec.router.tolerations.0.effect"),
+    ({"router": {"tolerations": [{"key": "k", "tolerationSeconds": "30"}]}},
+     "spec.router.tolerations.0.tolerationSeconds"),
+    ({"router": {"tolerations": [{"key": "k", "operater": "Exists"}]}}, "'operater' was unexpected"),
+    ({"router": {"nodeSelector": {"node-pool": 1}}}, "spec.router.nodeSelector.node-pool"),
+    ({"router": {"nodeSelector": ["node-pool=cpu"]}}, "spec.router.nodeSelector"),
+    ({"router": {"affinity": "cpu-pool"}}, "spec.router.affinity"),
+    ({"router": {"affinity": {"nodeAfinity": {}}}}, "'nodeAfinity' was unexpected"),
+    ({"router": {"affinity": {"nodeAffinity": []}}}, "spec.router.affinity.nodeAffinity"),
     ({"enginee": {}}, "'enginee' was unexpected"),
 ])
 def test_schema_rejects_bad_values(patch, fragment):
     spec = {"model": {"uri": "hf://org/m"}, **patch}
     errors = crd.validate("ok", crd.default_spec(spec))
     assert any(fragment in e for e in errors), errors
+
+
+@pytest.mark.parametrize("router, fragment", [
+    ({"tolerations": "node-pool=cpu:NoSchedule"}, "spec.router.tolerations: 'node-pool=cpu:NoSchedule' is not"),
+    ({"tolerations": [{"operator": "Maybe"}]}, "spec.router.tolerations.0.operator"),
+    ({"affinity": ["nodeAffinity"]}, "spec.router.affinity"),
+])
+def test_the_server_rejects_wrong_router_scheduling(router, fragment):
+    """The whole object as the API server validates it: schema errors, not pruning or a silent default."""
+    bad = obj("ok", {"model": {"uri": "hf://org/m"}, "router": {"enabled": True, **router}})
+    errors = checks.schema_errors(bad, schema())
+    assert any(fragment in e for e in errors), errors
+    good = obj("ok", crd.default_spec(ROUTER_ON_CPU_POOL["spec"]))
+    assert checks.schema_errors(good, schema()) == [] and checks.cel_errors(good, schema()) == []
+
+
+def test_router_affinity_is_typed_at_the_top_and_open_below():
+    router = ROUTER_ON_CPU_POOL["spec"]["router"]
+    spec = {"model": {"uri": "hf://org/m"},
+            "router": {**router, "affinity": {**router["affinity"], "nodeAfinity": {"x": 1}},
+                       "tolerations": [{**router["tolerations"][0], "tolerationSecond": 5}]}}
+    pruned = checks.prune_object(obj("ok", spec), schema())["spec"]["router"]
+    assert pruned["affinity"] == router["affinity"]  # the typo goes; the core/v1 subtrees stay whole
+    assert pruned["tolerations"][0] == router["tolerations"][0]
+    assert pruned["nodeSelector"] == router["nodeSelector"]
+    node = schema()["properties"]["spec"]["properties"]["router"]["properties"]
+    assert not node["affinity"].get("x-kubernetes-preserve-unknown-fields")
+    assert not node["tolerations"]["items"].get("x-kubernetes-preserve-unknown-fields")
+    assert "default" not in node["nodeSelector"] and "default" not in node["tolerations"]  # absent: nothing set
 
 
 def test_pruning_drops_unknown_fields_but_keeps_open_ones():

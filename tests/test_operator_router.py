@@ -245,3 +245,118 @@ def test_scale_to_zero_gives_held_requests_time_for_a_cold_start():
     assert "--hold-timeout" not in args(spec())
     mine = spec({"enabled": True, "extraArgs": ["--hold-timeout", "60"]}, autoscaling={"enabled": True, "minReplicas": 0})
     assert args(mine)[-2:] == ["--hold-timeout", "60"]  # the user's comes last, and argparse takes the last
+
+
+# --- where router pods run, and what the router knows of the daemons ---------------------------------------
+
+CPU_POOL = {"nodeSelector": {"node-pool": "cpu"},
+            "tolerations": [{"key": "node-pool", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "node-pool", "operator": "In", "values": ["cpu"]}]}]}}}}
+GPU_POOL = {"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+            "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 1, "preference": {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}}]}}}
+
+
+def router_pod(s: dict) -> dict:
+    return routing.render_router_deployment(META, s)["spec"]["template"]["spec"]
+
+
+def default_spread() -> dict:
+    return router_pod(spec())["affinity"]["podAntiAffinity"]
+
+
+def test_router_scheduling_fields_are_validated_and_copied():
+    s = spec({"enabled": True, **CPU_POOL})
+    assert crd.validate("llm", s) == []
+    pod = router_pod(s)
+    assert pod["nodeSelector"] == {"node-pool": "cpu"}
+    assert pod["tolerations"] == CPU_POOL["tolerations"]
+    assert pod["affinity"]["nodeAffinity"] == CPU_POOL["affinity"]["nodeAffinity"]
+    assert pod["affinity"]["podAntiAffinity"] == default_spread()  # the user's nodeAffinity keeps the spread
+    kubernetes_validate.validate(routing.render_router_deployment(META, s), K8S_VERSION, strict=True)
+
+
+def test_router_scheduling_fields_are_absent_when_unset():
+    pod = router_pod(spec())
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    assert set(pod["affinity"]) == {"podAntiAffinity"}
+    term = default_spread()["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"] == routing.router_selector_labels("llm")
+    empty = router_pod(spec({"enabled": True, "nodeSelector": {}, "tolerations": []}))
+    assert "nodeSelector" not in empty and "tolerations" not in empty
+
+
+def test_routers_do_not_follow_the_daemons_onto_gpu_nodes():
+    s = spec(**GPU_POOL)
+    daemon = resources.render_deployment(META, s, 1)["spec"]["template"]["spec"]
+    assert daemon["nodeSelector"] == {"gpu": "h100"} and daemon["tolerations"] == GPU_POOL["tolerations"]
+    pod = router_pod(s)
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    assert "nodeAffinity" not in pod["affinity"]
+    both = router_pod(spec({"enabled": True, **CPU_POOL}, **GPU_POOL))
+    assert both["nodeSelector"] == {"node-pool": "cpu"} and both["tolerations"] == CPU_POOL["tolerations"]
+    # ... and the daemons keep theirs: the router's fields are not copied the other way either.
+    daemon = resources.render_deployment(META, spec({"enabled": True, **CPU_POOL}), 1)["spec"]["template"]["spec"]
+    assert "nodeSelector" not in daemon and "tolerations" not in daemon and "affinity" not in daemon
+
+
+def test_a_router_pod_anti_affinity_of_ones_own_replaces_the_default_spread():
+    required = {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "topology.kubernetes.io/zone",
+         "labelSelector": {"matchLabels": routing.router_selector_labels("llm")}}]}
+    pod = router_pod(spec({"enabled": True, "affinity": {"podAntiAffinity": required}}))
+    assert pod["affinity"] == {"podAntiAffinity": required}
+
+
+def test_rendered_scheduling_does_not_alias_the_spec():
+    s = spec({"enabled": True, **CPU_POOL})
+    pod = router_pod(s)
+    pod["nodeSelector"]["x"] = "y"
+    pod["tolerations"].append({"operator": "Exists"})
+    pod["affinity"]["nodeAffinity"].clear()
+    assert s["router"]["nodeSelector"] == CPU_POOL["nodeSelector"]
+    assert s["router"]["tolerations"] == CPU_POOL["tolerations"]
+    assert s["router"]["affinity"] == CPU_POOL["affinity"]
+
+
+def router_cli_args(s: dict) -> list[str]:
+    return router_pod(s)["containers"][0]["args"]
+
+
+def parsed_slots(s: dict) -> float | None:
+    from kvpilot.router.cli import build_parser  # the router's own parser: what the pod would run with
+    return build_parser().parse_args(router_cli_args(s)).replica_slots
+
+
+def daemon_max_num_seqs(s: dict) -> int:
+    from kvpilot.daemon.args import parse_serve_args  # the daemon's own parser: what its pods run with
+    return parse_serve_args(resources.daemon_args(META, s)[1:], environ={}).engine.max_num_seqs
+
+
+@pytest.mark.parametrize("engine, slots", [
+    ({}, 256),  # the CRD's default maxNumSeqs, as the daemons get it
+    ({"maxNumSeqs": 32}, 32),
+    ({"maxNumSeqs": 32, "extraArgs": ["--max-num-seqs", "8"]}, 8),  # the daemon's extraArgs come last, and win
+    ({"maxNumSeqs": 32, "extraArgs": ["--max-num-seqs=12", "--dtype", "float16"]}, 12),
+])
+def test_the_router_knows_the_daemons_max_num_seqs(engine, slots):
+    s = spec(engine=engine)
+    assert daemon_max_num_seqs(s) == slots
+    assert routing.daemon_max_num_seqs(s) == slots
+    assert parsed_slots(s) == slots
+    args = router_cli_args(s)
+    assert args[args.index("--replica-slots") + 1] == str(slots)
+
+
+def test_a_max_num_seqs_the_daemon_refuses_leaves_the_specs_value():
+    s = spec(engine={"maxNumSeqs": 32, "extraArgs": ["--max-num-seqs", "many"]})
+    with pytest.raises(SystemExit):
+        daemon_max_num_seqs(s)  # the daemons never start with it
+    assert parsed_slots(s) == 32
+
+
+def test_router_extra_args_override_the_replica_slots():
+    s = spec({"enabled": True, "extraArgs": ["--replica-slots", "4"]}, engine={"maxNumSeqs": 64})
+    assert router_cli_args(s)[-2:] == ["--replica-slots", "4"]
+    assert parsed_slots(s) == 4

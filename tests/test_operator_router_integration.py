@@ -66,7 +66,10 @@ def paths(ns: str) -> dict[str, str]:
     }
 
 
-ROUTED = {"model": {"uri": "hf://org/m"}, "router": {"enabled": True},
+CPU_POOL = {"nodeSelector": {"node-pool": "cpu"},
+            "tolerations": [{"key": "node-pool", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}]}
+ROUTED = {"model": {"uri": "hf://org/m"}, "router": {"enabled": True, **CPU_POOL},
+          "nodeSelector": {"gpu": "h100"},  # the daemons': not the routers'
           "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2, "scaleToZeroAfterSeconds": 1,
                           "stableWindowSeconds": 5, "panicWindowSeconds": 2, "metricsIntervalSeconds": 1}}
 
@@ -83,6 +86,10 @@ async def test_builtin_router_scale_to_zero_wake_up_and_removal(monkeypatch, tmp
             await k.create_cr(NS, cr(ROUTED))
             children = {key: await eventually(lambda p=p: k.get(p), what=key) for key, p in paths(NS).items()}
             assert children["router"]["spec"]["replicas"] == 2
+            router_pod = children["router"]["spec"]["template"]["spec"]
+            assert router_pod["nodeSelector"] == CPU_POOL["nodeSelector"]  # through the API server's pruning
+            assert router_pod["tolerations"] == CPU_POOL["tolerations"]
+            assert "--replica-slots" in router_pod["containers"][0]["args"]
             assert children["role"]["rules"][0]["resources"] == ["endpointslices"]
             assert all(c["metadata"]["ownerReferences"][0]["uid"] == "uid-1" for c in children.values())
             svc = await k.get(f"/api/v1/namespaces/{NS}/services/llm")
@@ -123,6 +130,17 @@ async def test_min_replicas_zero_without_router_is_refused_by_the_api(tmp_path):
         spec = {**ROUTED, "router": {"enabled": False}}
         status, body = await k.try_call("POST", harness.CR_PATH.format(ns=NS), cr(spec))
         assert status == 422 and "minReplicas 0 needs router.enabled" in json.dumps(body)
+
+
+@pytest.mark.parametrize("router, fragment", [
+    ({"tolerations": "node-pool=cpu:NoSchedule"}, "spec.router.tolerations"),
+    ({"affinity": {"nodeAfinity": {}}}, "spec.router.affinity.nodeAfinity"),
+])
+async def test_wrong_router_scheduling_is_refused_by_the_api(tmp_path, router, fragment):
+    async with cluster(tmp_path, validate=True) as k:
+        spec = {"model": {"uri": "hf://org/m"}, "router": {"enabled": True, **router}}
+        status, body = await k.try_call("POST", harness.CR_PATH.format(ns=NS), cr(spec))
+        assert status == 422 and fragment in json.dumps(body), body
 
 
 POOL_SPEC = {"model": {"uri": "hf://org/m"}, "router": {
