@@ -1,0 +1,100 @@
+"""The CPU fast paths of the native model give the plain path's numbers: oneDNN-prepacked GEMM weights,
+the complex-multiply RoPE on interleaved q/k rows, and the malloc settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpilot.daemon.engine import LLM, host_malloc
+from kvpilot.daemon.engine.models.linear import linear, prepack, prepack_supported
+from kvpilot.daemon.engine.models.llama import _rotate, interleave_rope_rows, rope_inv_freq
+from kvpilot.daemon.engine.runner import SeqBatchEntry
+
+MODEL = "builtin://smollm2-135m"
+needs_onednn = pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32),
+                                  reason="oneDNN is not in this torch build")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 96, 300])
+def test_prepacked_linear_matches_f_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(960, 576, generator=g) * 0.05
+    b = torch.randn(960, generator=g)
+    x = torch.randn(rows, 576, generator=g)
+    packed = prepack(w)
+    assert packed.is_mkldnn
+    torch.testing.assert_close(linear(x, packed, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # a strided input (a column slice, as the model never passes but a caller might) is made contiguous
+    wide = torch.randn(rows, 1152, generator=g)
+    torch.testing.assert_close(linear(wide[:, :576], packed), wide[:, :576] @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_is_off_where_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not prepack_supported(torch.device("cpu"), torch.bfloat16)
+    assert not prepack_supported(torch.device("cuda"), torch.float32)
+    monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
+    assert not prepack_supported(torch.device("cpu"), torch.float32)
+
+
+def test_interleaved_rope_keeps_scores_and_values() -> None:
+    """The complex RoPE on permuted rows is HF's rotate_half up to that permutation, so q.k is unchanged."""
+    t, heads, hd = 37, 5, 64
+
+    class Cfg:
+        rope_theta = 10000.0
+        max_position_embeddings = 512
+
+    inv_freq, _ = rope_inv_freq(Cfg(), hd, 512)
+    pos = torch.randint(0, 512, (t,))
+    freqs = pos[:, None].float() * inv_freq[None, :]
+    cos, sin = freqs.cos()[:, None], freqs.sin()[:, None]
+    cis = torch.polar(torch.ones_like(freqs), freqs)[:, None]
+
+    hf_rows = torch.randn(t, heads * hd)
+    hf = _rotate(hf_rows, t, heads, hd, cos, sin)
+    perm = interleave_rope_rows(torch.arange(heads * hd), hd)  # what load_weights does to q/k rows
+    fast = _rotate(hf_rows[:, perm].contiguous(), t, heads, hd, cis, None)
+
+    torch.testing.assert_close(fast.reshape(t, heads * hd), hf.reshape(t, heads * hd)[:, perm], rtol=1e-5, atol=1e-5)
+    scores_hf = torch.einsum("thd,shd->hts", hf, hf)
+    scores_fast = torch.einsum("thd,shd->hts", fast, fast)
+    torch.testing.assert_close(scores_fast, scores_hf, rtol=1e-4, atol=1e-4)
+
+
+def test_interleave_rope_rows_is_a_per_head_permutation() -> None:
+    rows = interleave_rope_rows(torch.arange(2 * 8), 8)
+    assert rows.tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    bias_and_weight = interleave_rope_rows(torch.arange(16 * 3).view(16, 3), 8)
+    assert bias_and_weight[:, 0].tolist() == [3 * r for r in rows.tolist()]
+
+
+def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    entry = SeqBatchEntry(token_ids=prompt, start_pos=0, block_table=list(range(-(-len(prompt) // 16))),
+                          compute_logits=True)
+    return llm.engine.runner.execute([entry])[0]
+
+
+@needs_onednn
+def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = [(31 * i + 7) % 40000 + 100 for i in range(70)]
+    packed = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    model = packed.engine.runner.model
+    assert model.prepacked and model.lm_head.is_mkldnn and model.layers[0].gate_up_weight.is_mkldnn
+    fast = _logits(packed, prompt)
+    del packed
+    monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
+    dense = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    assert not dense.engine.runner.model.prepacked
+    torch.testing.assert_close(fast, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="prepacked"):
+        model.load_weights([])
+
+
+def test_malloc_settings_apply_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert host_malloc.keep_freed_memory() is True  # glibc on every machine this project supports
+    assert host_malloc.keep_freed_memory() is True  # idempotent
+    monkeypatch.setattr(host_malloc, "_done", False)
+    monkeypatch.setenv("KVPILOT_MALLOC_TUNING", "0")
+    assert host_malloc.keep_freed_memory() is False
