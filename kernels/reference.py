@@ -3,7 +3,8 @@
 These are the engine's CPU hot path, so they are vectorized: every decode row of a batch goes
 through one gathered SDPA call; only prefill chunks (few per step) are handled per sequence.
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer; slot =
-block_id * block_size + offset.
+block_id * block_size + offset. The cache may have another dtype than the model (``kv_cache_dtype``):
+``store_kv`` converts on the way in and attention casts what it gathers to the query's dtype.
 """
 
 from __future__ import annotations
@@ -11,7 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["store_kv", "paged_attention", "attend_prefill_chunks", "copy_blocks", "swap_blocks"]
+__all__ = ["store_kv", "to_cache_dtype", "paged_attention", "attend_prefill_chunks", "copy_blocks", "swap_blocks"]
+
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as ``dtype``. Into float16 from a wider-ranged type the values saturate at +-65504: an
+    inf in the cache would make every softmax that sees it NaN, where a clamped key only skews it."""
+    if x.dtype == dtype:
+        return x
+    if dtype == torch.float16 and x.dtype in (torch.float32, torch.bfloat16):
+        # clamped in float32: bfloat16 cannot hold 65504 and would round the bound up to inf's side
+        return x.float().clamp(-_FP16_MAX, _FP16_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def store_kv(
@@ -36,8 +50,8 @@ def store_kv(
     # flatten(0, 1) is a view for the contiguous caches the engine allocates
     kf = k_cache.flatten(0, 1)
     vf = v_cache.flatten(0, 1)
-    kf.index_copy_(0, slots, key.to(k_cache.dtype))
-    vf.index_copy_(0, slots, value.to(v_cache.dtype))
+    kf.index_copy_(0, slots, to_cache_dtype(key, k_cache.dtype))
+    vf.index_copy_(0, slots, to_cache_dtype(value, v_cache.dtype))
 
 
 def _decode_buckets(ctx: torch.Tensor, bs: int, max_ratio: float = 1.5) -> list[torch.Tensor] | None:
@@ -78,9 +92,10 @@ def _attend_decode(
         first = max(0, int(ctx.min()) - sliding_window) // bs
     bt = block_tables[:, first:nb].long().clamp_(min=0).flatten()
     length = (nb - first) * bs
-    # index_select is several times faster than advanced indexing here; [n, kvh, L, d] strided view
-    k = k_cache.index_select(0, bt).view(n, length, kvh, d).transpose(1, 2)
-    v = v_cache.index_select(0, bt).view(n, length, kvh, d).transpose(1, 2)
+    # index_select is several times faster than advanced indexing here; [n, kvh, L, d] strided view;
+    # SDPA wants one dtype, and the cache's may differ from the query's (kv_cache_dtype)
+    k = k_cache.index_select(0, bt).to(q.dtype).view(n, length, kvh, d).transpose(1, 2)
+    v = v_cache.index_select(0, bt).to(q.dtype).view(n, length, kvh, d).transpose(1, 2)
     pos = torch.arange(first * bs, nb * bs, device=q.device)
     mask = pos[None, :] < ctx[:, None]
     if sliding_window is not None:
@@ -106,8 +121,8 @@ def _attend_chunk(
     g = num_heads // kvh
     nb = (ctx + bs - 1) // bs
     bt = blocks[:nb].long().clamp_(min=0)
-    k = k_cache.index_select(0, bt).view(nb * bs, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
-    v = v_cache.index_select(0, bt).view(nb * bs, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+    k = k_cache.index_select(0, bt).to(q.dtype).view(nb * bs, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+    v = v_cache.index_select(0, bt).to(q.dtype).view(nb * bs, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
     if ql == ctx and (sliding_window is None or sliding_window >= ctx):
         # a whole prompt from position 0: plain causal, no mask tensor, so the flash kernel skips
         # the masked half of the blocks (1.8x at 512 tokens, 2.7x at 2048 on a 2-core EPYC)

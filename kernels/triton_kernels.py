@@ -45,6 +45,7 @@ def _store_kv_kernel(
     HEAD_D: tl.constexpr,
     KVH_P2: tl.constexpr,
     D_P2: tl.constexpr,
+    SATURATE: tl.constexpr,  # float16 cache, wider-ranged key/value: clamp to +-65504, never inf
 ):
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -58,6 +59,9 @@ def _store_kv_kernel(
     tok64 = tok.to(tl.int64)
     k = tl.load(key_ptr + tok64 * stride_kt + h * stride_kh + d, mask=m)
     v = tl.load(value_ptr + tok64 * stride_vt + h * stride_vh + d, mask=m)
+    if SATURATE:  # in float32, as reference.to_cache_dtype does (bf16 cannot hold 65504)
+        k = tl.minimum(tl.maximum(k.to(tl.float32), -65504.0), 65504.0)
+        v = tl.minimum(tl.maximum(v.to(tl.float32), -65504.0), 65504.0)
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=m)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=m)
@@ -106,6 +110,7 @@ def store_kv(
         HEAD_D=d,
         KVH_P2=_next_pow2(kvh),
         D_P2=_next_pow2(d),
+        SATURATE=k_cache.dtype == torch.float16 and key.dtype in (torch.float32, torch.bfloat16),
     )
 
 
@@ -202,8 +207,9 @@ def _paged_attn_kernel(
         page = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         kv_off = page * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # a cache of another dtype (kv_cache_dtype) is upcast/cast to the query's as it is read
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
 
         if UPCAST:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)

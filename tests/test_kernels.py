@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -241,6 +241,58 @@ def test_reference_rejects_bad_gqa():
         R.paged_attention(case.query[:, :1].repeat(1, 3, 1), *case.args()[1:])
 
 
+# (query/model dtype, cache dtype): kv_cache_dtype may store the cache narrower or wider than the model
+MIXED_KV = [(torch.float32, torch.float16), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
+
+
+def as_cache(case: Case, kv_dtype: torch.dtype) -> Case:
+    """``case`` with its caches stored as ``kv_dtype``: the dense inputs become the rounded values the
+    cache holds, so a kernel is checked against what it can read, not what a wider cache would hold."""
+    return replace(case, k_cache=case.k_cache.to(kv_dtype), v_cache=case.v_cache.to(kv_dtype),
+                   dense_k=[k.to(kv_dtype) for k in case.dense_k], dense_v=[v.to(kv_dtype) for v in case.dense_v])
+
+
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), MIXED_KV)
+def test_reference_reads_a_cache_of_another_dtype(q_dtype, kv_dtype):
+    # decode rows beside prefill chunks (one over a cached prefix, whole prompts), then a ragged
+    # pure-decode batch (the length-bucket path)
+    ctx, ql = mixed_lens(16)
+    mixed = as_cache(make_case(ctx, ql, kvh=2, group=3, d=64, bs=16, dtype=q_dtype, seed=21, fill=0.0), kv_dtype)
+    lens = [1, 3, 16, 17, 40, 90, 120, 200, 201, 33, 64, 5]
+    decode = as_cache(make_case(lens, [1] * len(lens), kvh=2, group=3, d=64, bs=16, dtype=q_dtype, seed=22,
+                                fill=0.0), kv_dtype)
+    for case in (mixed, decode):
+        out = R.paged_attention(*case.args())
+        assert out.dtype == q_dtype
+        assert_close(out, dense_batch(case), q_dtype)
+    assert_close(R.paged_attention(*mixed.args(), sliding_window=9), dense_batch(mixed, 9), q_dtype)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_converts_to_the_cache_dtype(src_dtype):
+    g = torch.Generator().manual_seed(4)
+    key = torch.randn(5, 2, 8, generator=g).to(src_dtype)
+    value = torch.randn(5, 2, 8, generator=g).to(src_dtype)
+    # past float16's range: stored as +-65504 (a clamped key), never as inf (a NaN softmax)
+    key[0, 0, :3] = torch.tensor([1e6, -1e6, 70000.0]).to(src_dtype)
+    value[1, 1, :2] = torch.tensor([-3e38, 65519.0]).to(src_dtype)
+    slots = torch.tensor([0, 17, -1, 31, 5])
+    for cache_dtype in (torch.float16, torch.bfloat16):
+        kc = torch.zeros(2, 16, 2, 8, dtype=cache_dtype)
+        vc = torch.zeros_like(kc)
+        K.store_kv(key, value, kc, vc, slots)  # the dispatch: reference on CPU tensors
+        real = slots >= 0
+        fp16_max = torch.finfo(torch.float16).max
+        for src, cache in ((key, kc), (value, vc)):
+            want = src[real].float()
+            if cache_dtype == torch.float16:
+                want = want.clamp(-fp16_max, fp16_max)
+            assert cache.dtype == cache_dtype and bool(cache.isfinite().all())
+            assert torch.equal(cache.flatten(0, 1)[slots[real]], want.to(cache_dtype))
+        assert kc.count_nonzero() == 4 * 2 * 8
+    assert torch.equal(R.to_cache_dtype(key, src_dtype), key)  # same dtype: the very tensor
+
+
 def naive_store(key, value, kc, vc, slots):
     bs = kc.shape[1]
     for t, s in enumerate(slots.tolist()):
@@ -384,6 +436,99 @@ def test_dispatch_picks_native_cpu_for_float32(monkeypatch):
         K.paged_attention(*bf16.args())
 
 
+def _compiler_has_float16() -> bool:
+    """What the kernel's float16 entry point needs: _Float16 in the compiler cpu_native builds with."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    r = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True, text=True)
+    return "__FLT16_MAX__" in r.stdout
+
+
+def _float16_entry_point(monkeypatch) -> list[tuple[int, int]]:
+    """Spy on the C float16 entry point (the (k, v) cache pointers of each call) and unbind the float32
+    one, so a call that did not run the float16 variant shows."""
+    from kvpilot.kernels import cpu_native
+
+    if torch.float16 not in cpu_native.cache_dtypes():
+        assert not _compiler_has_float16(), "the compiler has _Float16 but the kernel has no float16 entry point"
+        pytest.skip("the C compiler has no _Float16: the kernel reads float32 caches only")
+    calls: list[tuple[int, int]] = []
+    real = cpu_native._fns[torch.float16]
+
+    def spy(*args):
+        calls.append((args[2], args[3]))
+        return real(*args)
+
+    monkeypatch.setitem(cpu_native._fns, torch.float16, spy)
+    monkeypatch.delitem(cpu_native._fns, torch.float32)
+    return calls
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    "group,d,bs,window",
+    [(1, 64, 16, None), (3, 64, 16, None), (8, 128, 32, None), (3, 64, 32, 5), (2, 36, 16, 40), (2, 256, 16, None)],
+)
+def test_native_cpu_float16_cache(monkeypatch, group, d, bs, window):
+    # d=36 leaves a tail after the 8-wide F16C conversions; 256 takes the generic head-size path
+    from kvpilot.kernels import cpu_native
+
+    ctx, ql = mixed_lens(bs)
+    case = make_case(ctx + [3 * bs], ql + [1], kvh=2, group=group, d=d, bs=bs, dtype=torch.float32, seed=group + d)
+    half = as_cache(case, torch.float16)  # NaN in the unused slots stays NaN
+    # the float32 kernel over the very values the float16 cache holds: widening them is exact
+    same_values = cpu_native.paged_attention(*half.args(half.k_cache.float(), half.v_cache.float()),
+                                             sliding_window=window)
+    calls = _float16_entry_point(monkeypatch)
+    got = cpu_native.paged_attention(*half.args(), sliding_window=window)
+    assert calls == [(half.k_cache.data_ptr(), half.v_cache.data_ptr())]
+    assert got.dtype == torch.float32
+    assert_close(got, same_values, torch.float32)
+    assert_close(got, dense_batch(half, window), torch.float32)
+    # against the unrounded float32 values: off by what float16 storage costs (2^-11 relative per value)
+    assert_close(got, dense_batch(case, window), torch.float16)
+
+
+@needs_cc
+def test_native_cpu_float16_cache_ragged_and_threads(monkeypatch):
+    from kvpilot.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(7)
+    ctx = [max(1, int(torch.randint(1, 12, (1,), generator=g)) * 16 + int(torch.randint(-1, 2, (1,), generator=g)))
+           for _ in range(40)]
+    ql = [1] * 37 + [ctx[37], min(3, ctx[38]), 1]
+    case = as_cache(make_case(ctx, ql, kvh=3, group=3, d=64, bs=16, dtype=torch.float32, seed=7), torch.float16)
+    want = dense_batch(case)
+    calls = _float16_entry_point(monkeypatch)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 5):
+            torch.set_num_threads(n)
+            assert_close(cpu_native.paged_attention(*case.args()), want, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 3
+
+
+@needs_cc
+def test_dispatch_picks_native_cpu_for_float16_caches(monkeypatch):
+    from kvpilot.kernels import cpu_native
+
+    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+    f32 = make_case([20, 40], [1, 1], kvh=1, group=2, d=64, bs=16, dtype=torch.float32, seed=3, fill=0.0)
+    bf16 = as_cache(f32, torch.bfloat16)
+    if torch.float16 in cpu_native.cache_dtypes():
+        half = as_cache(f32, torch.float16)
+        assert K.attention_backend_for(half.query, half.k_cache) == "cpu"
+        assert_close(K.paged_attention(*half.args()), dense_batch(half), torch.float32)
+    assert K.attention_backend_for(bf16.query, bf16.k_cache) == "torch"  # the reference casts bf16 caches
+    assert_close(K.paged_attention(*bf16.args()), dense_batch(bf16), torch.float32)
+    bf16_q = replace(f32, query=f32.query.bfloat16(), k_cache=f32.k_cache.half(), v_cache=f32.v_cache.half())
+    assert K.attention_backend_for(bf16_q.query, bf16_q.k_cache) == "torch"  # the kernel takes float32 queries
+    with pytest.raises(ValueError, match="caches of one dtype"):
+        cpu_native.paged_decode(f32.query, f32.k_cache.half(), f32.v_cache, f32.block_tables, f32.context_lens,
+                                f32.query_start_loc, f32.scale, None, torch.empty(f32.query.shape))
+
+
 def _python_with_cache(code: str, cache: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """`python -c code args` in a fresh process (what is loaded at import shows there) with its own
     KVPILOT_CACHE_DIR, so the kernel is built as on a clean machine."""
@@ -464,6 +609,37 @@ def test_triton_store_kv(tk, dtype):
     R.store_kv(key, value, kc2, vc2, slots)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
     assert kc.count_nonzero() == 5 * kvh * d
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_triton_store_kv_converts_to_a_float16_cache(tk, src_dtype):
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(6, 2, 64, generator=g).to(src_dtype)
+    value = torch.randn(6, 2, 64, generator=g).to(src_dtype)
+    key[0, 0, :3] = torch.tensor([1e6, -1e6, 70000.0]).to(src_dtype)  # saturate at +-65504, as the reference
+    value[2, 1, :2] = torch.tensor([-3e38, 65519.0]).to(src_dtype)
+    slots = torch.tensor([3, -1, 16, 17, 63, 32], dtype=torch.int64)
+    kc = torch.zeros(4, 16, 2, 64, dtype=torch.float16)
+    vc = torch.zeros_like(kc)
+    kc2, vc2 = kc.clone(), vc.clone()
+    tk.store_kv(key, value, kc, vc, slots)
+    R.store_kv(key, value, kc2, vc2, slots)
+    assert bool(kc.isfinite().all()) and bool(vc.isfinite().all())
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float32, torch.float16), (torch.bfloat16, torch.float16)])
+def test_triton_reads_a_cache_of_another_dtype(tk, q_dtype, kv_dtype):
+    # the kernel upcasts (or casts) what it loads to the query's dtype: prefill tiles, decode rows, splits
+    case = as_cache(make_case(*mixed_lens(16), kvh=2, group=3, d=64, bs=16, dtype=q_dtype, seed=13), kv_dtype)
+    kc, vc = case.k_cache.nan_to_num(0.0), case.v_cache.nan_to_num(0.0)
+    got = tk.paged_attention(*case.args())
+    assert got.dtype == q_dtype and not got.isnan().any()
+    assert_close(got, R.paged_attention(*case.args(kc, vc)), q_dtype)
+    assert_close(got, dense_batch(case), q_dtype)
+    dec = as_cache(make_case([300, 1, 65], [1, 1, 1], kvh=1, group=8, d=64, bs=16, dtype=q_dtype, seed=14), kv_dtype)
+    got = tk.paged_attention(*dec.args(), max_query_len=1, max_context_len=300, num_splits=4)
+    assert_close(got, dense_batch(dec), q_dtype)
 
 
 # (group, dtype, head_dim, block_size, sliding_window): GQA 1/3/8, every dtype, head_dim 64/128/256

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: the model's dtype
 DEVICES = ("auto", "cpu", "cuda")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_MODEL = "builtin://smollm2-135m"
@@ -24,6 +25,10 @@ class EngineConfig:
         "choices": DTYPES, "help": "weights and activations; auto: bf16 where the CPU/GPU supports it, else fp32"})
     device: str = field(default="auto", metadata={
         "choices": DEVICES, "help": "auto: cuda when available, else cpu"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "choices": KV_CACHE_DTYPES,
+        "help": "KV cache storage; auto: the model's dtype. float16 under a float32 model halves the bytes a "
+                "decode step reads and doubles the blocks a memory budget holds"})
     block_size: int = field(default=16, metadata={
         "choices": BLOCK_SIZES, "help": "tokens per KV cache block"})
     max_model_len: int | None = field(default=None, metadata={
@@ -63,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

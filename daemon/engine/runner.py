@@ -28,6 +28,16 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 _DEFAULT_CPU_KV_BYTES = 1 * GiB
+_KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of ``EngineConfig.kv_cache_dtype``; "auto" is the model's dtype."""
+    if name == "auto":
+        return model_dtype
+    if name not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {sorted(_KV_CACHE_DTYPES)}, got {name!r}")
+    return _KV_CACHE_DTYPES[name]
 
 
 @dataclass
@@ -96,6 +106,8 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
+        # what the caches store; the kernels convert on write and cast to the model's dtype on read
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
         self.num_layers: int = self.model.num_layers
         self.num_kv_heads: int = self.model.num_kv_heads
@@ -123,8 +135,8 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """K and V of one block across all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        """K and V of one block across all layers, in the KV cache dtype."""
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @property
@@ -155,10 +167,12 @@ class ModelRunner:
             )
         blocks_per_seq = -(-self.loaded.max_model_len // self.block_size)
         logger.info(
-            "memory budget (%s): weights %.1f MiB, KV %d bytes/block (%d tokens), %d blocks = %.1f MiB "
-            "(%d tokens), max %d concurrent seqs at max_model_len=%d",
+            "memory budget (%s): weights %.1f MiB, KV cache %s (%s model), %d bytes/block (%d tokens), "
+            "%d blocks = %.1f MiB (%d tokens), max %d concurrent seqs at max_model_len=%d",
             source,
             self.weight_bytes / 2**20,
+            str(self.kv_dtype).removeprefix("torch."),
+            str(self.dtype).removeprefix("torch."),
             per_block,
             self.block_size,
             num_blocks,
@@ -185,22 +199,23 @@ class ModelRunner:
         return max(0, int(total * cfg.gpu_memory_utilization) - used - act - logits)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        """Allocate per-layer K and V ``[num_blocks, block_size, kv_heads, head_dim]`` (+ a CPU pool for swap)."""
+        """Allocate per-layer K and V ``[num_blocks, block_size, kv_heads, head_dim]`` in the KV cache dtype
+        (+ a CPU pool for swap, same dtype: swapping copies blocks as they are)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
         self.cpu_k_caches, self.cpu_v_caches = [], []
         if num_cpu_blocks > 0:
             cpu_shape = (num_cpu_blocks, *shape[1:])
             pin = self.device.type == "cuda"
             self.cpu_k_caches = [
-                torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)
+                torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(self.num_layers)
             ]
             self.cpu_v_caches = [
-                torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)
+                torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(self.num_layers)
             ]
         self.num_cpu_blocks = num_cpu_blocks
         self.model.bind_kv_caches(self.k_caches, self.v_caches)
