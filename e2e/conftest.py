@@ -24,13 +24,9 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> Report:
         report = asyncio.run(run(Config(workdir=workdir)))
     except ClusterError as e:  # E2E_KUBECONFIG names a cluster that cannot run it: fail, never skip
         pytest.fail(str(e), pytrace=False)
-    try:
-        from .monitor import plot
+    from .monitor import plot, plot_run
 
-        if report.monitor is not None and report.monitor.samples:
-            plot(report.monitor.samples, workdir / "timeline.png", report.t0, report.marks,
-                 "kvpilot e2e: replicas and KV-cache usage")
-    except Exception as e:  # noqa: BLE001 - the plot is a convenience, not a check
-        print(f"plot failed: {e}")
+    plot_run(plot, report.monitor, workdir / "timeline.png", report.t0, report.marks,
+             "kvpilot e2e: replicas and KV-cache usage")
     print(f"\ne2e run: {report.wall_s:.0f}s, workdir {workdir}, phases {report.done}, errors {list(report.errors)}")
     return report

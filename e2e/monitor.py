@@ -256,3 +256,19 @@ def plot_from_zero(samples: list[Sample], path: Path, t0: float, marks: dict[str
         return _marks(fig, [ax1, ax2], marks, t0, path)
     finally:
         plt.close(fig)
+
+
+Plotter = Callable[[list[Sample], Path, float, dict[str, float], str], Path]
+
+
+def plot_run(plotter: Plotter, monitor: Monitor | None, path: Path, t0: float, marks: dict[str, float],
+             title: str) -> Path | None:
+    """The run's plot when the monitor sampled anything; a failure is printed, never raised: the plot is a
+    convenience for reading a run, not one of its checks."""
+    if monitor is None or not monitor.samples:
+        return None
+    try:
+        return plotter(monitor.samples, path, t0, marks, title)
+    except Exception as e:  # noqa: BLE001
+        print(f"plot failed: {e}")
+        return None

@@ -33,14 +33,10 @@ def router_run(tmp_path_factory: pytest.TempPathFactory) -> Report:
         pytest.skip(why)
     workdir = Path(os.environ.get("KVPILOT_E2E_ROUTER_WORKDIR") or tmp_path_factory.mktemp("e2e-router"))
     rep = asyncio.run(run(Config(workdir=workdir)))
-    try:
-        from .monitor import plot_from_zero
+    from .monitor import plot_from_zero, plot_run
 
-        if rep.monitor is not None and rep.monitor.samples:
-            plot_from_zero(rep.monitor.samples, workdir / "from-zero.png", rep.t0, rep.marks,
-                           "kvpilot e2e: scale from zero behind the router")
-    except Exception as e:  # noqa: BLE001 - the plot is a convenience, not a check
-        print(f"plot failed: {e}")
+    plot_run(plot_from_zero, rep.monitor, workdir / "from-zero.png", rep.t0, rep.marks,
+             "kvpilot e2e: scale from zero behind the router")
     print(f"\nrouter e2e run: {rep.wall_s:.0f}s, workdir {workdir}, phases {rep.done}, errors {list(rep.errors)}")
     return rep
 
