@@ -23,13 +23,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run by path (`python e2e/demo.py`): make the e2e package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # stdlib `operator` is loaded already
 
 from e2e import lifecycle, router_scenario  # noqa: E402
 from e2e.load import is_correct  # noqa: E402
-from e2e.monitor import plot, plot_from_zero  # noqa: E402
+from e2e.monitor import Plotter, plot, plot_from_zero, plot_run  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -84,16 +85,20 @@ def _autoscaling(args: argparse.Namespace, stamp: str) -> int:
               + (f"  ({len(wrong)} differ)" if wrong else ""))
     elif rep.reference_error:
         print(f"offline reference failed: {rep.reference_error[:300]}")
-    if rep.monitor is not None and rep.monitor.samples:
-        keep = ("kubectl apply", "load starts", "scaled up", "pod 2 ready", "SIGKILL", "pod restarted",
-                "load stops", "scaled down", "spec change", "rollout done")
-        png = plot(rep.monitor.samples, args.out / f"demo-{stamp}.png", rep.t0,
-                   {k: v for k, v in rep.marks.items() if k in keep},
-                   "kvpilot: autoscaling on KV-cache pressure (kmock + operator + real daemons)")
-        print(f"plot: {png}")
+    keep = ("kubectl apply", "load starts", "scaled up", "pod 2 ready", "SIGKILL", "pod restarted",
+            "load stops", "scaled down", "spec change", "rollout done")
+    _save_plot(plot, rep, args.out / f"demo-{stamp}.png", keep,
+               "kvpilot: autoscaling on KV-cache pressure (kmock + operator + real daemons)")
     rep.dump(args.out / f"demo-{stamp}.json")
     print(f"timeline: {args.out / f'demo-{stamp}.json'}  (wall {rep.wall_s:.0f}s)")
     return 1 if rep.errors or s.get("lost") or s.get("incorrect") else 0
+
+
+def _save_plot(plotter: Plotter, rep: Any, path: Path, keep: tuple[str, ...], title: str) -> None:
+    """The run's plot with only the marks worth labelling (all of them crowd the axis)."""
+    png = plot_run(plotter, rep.monitor, path, rep.t0, {k: v for k, v in rep.marks.items() if k in keep}, title)
+    if png is not None:
+        print(f"plot: {png}")
 
 
 def _router(args: argparse.Namespace, stamp: str) -> int:
@@ -115,13 +120,10 @@ def _router(args: argparse.Namespace, stamp: str) -> int:
     if rep.kill_stream is not None:
         print(f"daemon SIGKILLed mid-stream: the stream ended as {rep.kill_stream.outcome} "
               f"after {rep.kill_stream.chunks} chunks")
-    if rep.monitor is not None and rep.monitor.samples:
-        keep = ("kubectl apply", "scaled to 0", "first request sent", "first token", "SIGKILL mid-stream",
-                "load stops", "scaled to 0 again")
-        png = plot_from_zero(rep.monitor.samples, args.out / f"demo-router-{stamp}.png", rep.t0,
-                             {k: v for k, v in rep.marks.items() if k in keep},
-                             "kvpilot: scale from zero behind the router (kmock + operator + real router, daemons)")
-        print(f"plot: {png}")
+    keep = ("kubectl apply", "scaled to 0", "first request sent", "first token", "SIGKILL mid-stream",
+            "load stops", "scaled to 0 again")
+    _save_plot(plot_from_zero, rep, args.out / f"demo-router-{stamp}.png", keep,
+               "kvpilot: scale from zero behind the router (kmock + operator + real router, daemons)")
     rep.dump(args.out / f"demo-router-{stamp}.json")
     print(f"timeline: {args.out / f'demo-router-{stamp}.json'}  (wall {rep.wall_s:.0f}s)")
     return 1 if rep.errors or lost or (rep.kill_stream and rep.kill_stream.outcome not in ("error-event", "completed")) \
