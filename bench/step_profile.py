@@ -99,20 +99,24 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
         timers.flops[kind] += 2.0 * x.numel() * w.shape[0]
         return out
 
-    saved = (llama.linear, llama._rms_norm, llama.kernels, cpu_native.paged_decode, reference.attend_prefill_chunks,
-             runner._prepare, runner.model.forward)
+    saved = (llama.linear, llama._rms_norm, llama.kernels, cpu_native.paged_decode, cpu_native.paged_prefill,
+             reference.attend_prefill_chunks, runner._prepare, runner.model.forward)
     llama.linear = linear
     llama._rms_norm = timers.wrap("norms", llama._rms_norm)
     attn = timers.wrap("attention_call", kernels.paged_attention)
     llama.kernels = _Proxy(kernels, paged_attention=attn, store_kv=timers.wrap("kv_store", kernels.store_kv))
     cpu_native.paged_decode = timers.wrap("decode_attention", cpu_native.paged_decode)
-    reference.attend_prefill_chunks = timers.wrap("prefill_attention", reference.attend_prefill_chunks)
+    # prefill chunks: the C kernel where it is built (it falls back to SDPA itself), else the torch reference
+    if cpu_native.available():
+        cpu_native.paged_prefill = timers.wrap("prefill_attention", cpu_native.paged_prefill)
+    else:
+        reference.attend_prefill_chunks = timers.wrap("prefill_attention", reference.attend_prefill_chunks)
     runner._prepare = timers.wrap("batch_building", runner._prepare)
     runner.model.forward = timers.wrap("model_forward", runner.model.forward)
 
     def restore() -> None:
-        (llama.linear, llama._rms_norm, llama.kernels, cpu_native.paged_decode, reference.attend_prefill_chunks,
-         runner._prepare, runner.model.forward) = saved
+        (llama.linear, llama._rms_norm, llama.kernels, cpu_native.paged_decode, cpu_native.paged_prefill,
+         reference.attend_prefill_chunks, runner._prepare, runner.model.forward) = saved
         del runner.model.forward, runner._prepare  # drop the instance attributes: class methods again
 
     return restore

@@ -1,13 +1,15 @@
-"""The native CPU decode-attention kernel (``csrc/paged_decode_cpu.c``), built on first use.
+"""The native CPU attention kernels (``csrc/paged_decode_cpu.c`` and ``csrc/paged_prefill_cpu.c``),
+built on first use.
 
-The C source is compiled with the system C compiler for this very CPU (``-march=native``) into
-kvpilot's user cache, keyed by a hash of the source, the flags and the CPU, and loaded with
+The C sources are compiled with the system C compiler for this very CPU (``-march=native``) into one
+library in kvpilot's user cache, keyed by a hash of the sources, the flags and the CPU, and loaded with
 ctypes (which releases the GIL during the call). No compiler, a failed build or
 ``KVPILOT_CPU_KERNEL=0`` all mean ``available()`` is False and callers use the torch reference.
 
-Queries and output are float32; the cache is float32 or float16 (``kv_cache_dtype="float16"``: half the
-bytes a memory-bound decode step reads, widened to float32 in the kernel). The float16 entry point exists
-where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports`` says which caches this build takes.
+Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
+cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits. Queries and output are float32; the cache is float32 or float16 (``kv_cache_dtype="float16"``:
+half the bytes a memory-bound decode step reads, widened to float32 in the kernel). The float16 entry points
+exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports`` says which caches this build takes.
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from kvpilot.paths import cache_dir
 
 from . import reference
 
-__all__ = ["available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "build_error"]
+__all__ = [
+    "available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
+    "build_error",
+]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.c"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_prefill_cpu.c", _CSRC / "greedy_cpu.c")
 # -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
@@ -48,8 +54,10 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 # the C entry point per cache dtype, bound once the library is loaded (float16 only where built)
-_ENTRY_POINTS = {torch.float32: "kvpilot_paged_decode_f32", torch.float16: "kvpilot_paged_decode_f16kv"}
-_fns: dict[torch.dtype, Callable[..., int]] = {}
+_ENTRY_POINTS = {torch.float32: "f32", torch.float16: "f16kv"}
+_fns: dict[torch.dtype, Callable[..., int]] = {}  # decode
+_prefill_fns: dict[torch.dtype, Callable[..., int]] = {}
+_greedy_fn: Callable[..., None] | None = None
 
 
 def _cpu_signature() -> str:
@@ -72,13 +80,16 @@ def _build(target: Path, cc: str) -> None:
     # Build beside the target and rename: concurrent processes never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    obj = tmp[:-3] + ".o"
+    objs = [f"{tmp[:-3]}-{i}.o" for i in range(len(_SOURCES))]
     try:
         for extra in (_OPENMP_FLAGS, []):
-            proc = subprocess.run([cc, "-c", *_COMPILE_FLAGS, *extra, "-o", obj, str(_SOURCE)],
-                                  capture_output=True, text=True, timeout=120)
+            for src, obj in zip(_SOURCES, objs, strict=True):
+                proc = subprocess.run([cc, "-c", *_COMPILE_FLAGS, *extra, "-o", obj, str(src)],
+                                      capture_output=True, text=True, timeout=120)
+                if proc.returncode != 0:
+                    break
             if proc.returncode == 0:
-                proc = subprocess.run([cc, *_LINK_FLAGS, *extra, "-o", tmp, obj, "-lm"], capture_output=True,
+                proc = subprocess.run([cc, *_LINK_FLAGS, *extra, "-o", tmp, *objs, "-lm"], capture_output=True,
                                       text=True, timeout=120)
             if proc.returncode == 0:
                 break
@@ -86,7 +97,7 @@ def _build(target: Path, cc: str) -> None:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
-        for leftover in (tmp, obj):
+        for leftover in (tmp, *objs):
             if os.path.exists(leftover):
                 os.unlink(leftover)
 
@@ -107,13 +118,16 @@ def _load() -> ctypes.CDLL | None:
             logger.info("native CPU attention kernel unavailable (%s); using the torch reference", _error)
             return None
         flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS + _OPENMP_FLAGS)
-        key = hashlib.sha256(_SOURCE.read_bytes() + flags.encode() + _cpu_signature().encode())
-        target = cache_dir() / "kernels" / f"paged_decode_cpu-{key.hexdigest()[:16]}.so"
+        key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + flags.encode()
+                             + _cpu_signature().encode())
+        target = cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
         try:
             if not target.exists():
                 _build(target, cc)
             lib = ctypes.CDLL(str(target))
-            _fns.update(_bind(lib))
+            _fns.update(_bind(lib, "kvpilot_paged_decode_"))
+            _prefill_fns.update(_bind(lib, "kvpilot_paged_prefill_"))
+            _bind_greedy(lib)
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -121,11 +135,12 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
-def _bind(lib: ctypes.CDLL) -> dict[torch.dtype, Callable[..., int]]:
-    """The library's entry points by cache dtype, with their C signature (one for all of them)."""
+def _bind(lib: ctypes.CDLL, prefix: str) -> dict[torch.dtype, Callable[..., int]]:
+    """One kernel's entry points by cache dtype, with their C signature (one for all of them)."""
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     fns = {}
-    for dtype, name in _ENTRY_POINTS.items():
+    for dtype, suffix in _ENTRY_POINTS.items():
+        name = prefix + suffix
         if dtype is not torch.float32 and not hasattr(lib, name):
             continue  # a compiler without _Float16 builds the float32 kernel only
         fn = getattr(lib, name)
@@ -133,6 +148,31 @@ def _bind(lib: ctypes.CDLL) -> dict[torch.dtype, Callable[..., int]]:
         fn.restype = ctypes.c_int
         fns[dtype] = fn
     return fns
+
+
+def _bind_greedy(lib: ctypes.CDLL) -> None:
+    global _greedy_fn
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn = lib.kvpilot_greedy_stats
+    fn.argtypes = [p, i64, i32, i32, p, p, p, i32]
+    fn.restype = None
+    _greedy_fn = fn
+
+
+def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Per row of float32 CPU ``logits`` [rows, vocab]: (argmax int64, max, logsumexp), in one C pass
+    per row; None where the kernel is unavailable or the tensor is not such a matrix (use torch then).
+    The argmax is torch's: the first index of the largest value."""
+    if not (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and logits.shape[1] > 0) or _load() is None or _greedy_fn is None:
+        return None
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.long)
+    mx = torch.empty(rows, dtype=torch.float32)
+    lse = torch.empty(rows, dtype=torch.float32)
+    _greedy_fn(logits.data_ptr(), logits.stride(0), rows, vocab, tokens.data_ptr(), mx.data_ptr(), lse.data_ptr(),
+               torch.get_num_threads())
+    return tokens, mx, lse
 
 
 def available() -> bool:
@@ -163,6 +203,29 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+def _call(fns: dict[torch.dtype, Callable[..., int]], what: str, query: torch.Tensor, k_cache: torch.Tensor,
+          v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+          query_start_loc: torch.Tensor, scale: float, sliding_window: int | None, out: torch.Tensor) -> int:
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernel unavailable: {_error}")
+    if not (out.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
+        raise ValueError(f"{what} needs a contiguous out and caches of one shape")
+    fn = fns.get(k_cache.dtype)
+    if fn is None or v_cache.dtype != k_cache.dtype or query.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError(f"{what} takes float32 queries and out over caches of one dtype in "
+                         f"{[str(d) for d in fns]}; got query {query.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    bt = block_tables.to(torch.int32).contiguous()
+    ctx = context_lens.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    _, bs, kvh, d = k_cache.shape
+    return fn(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        bt.data_ptr(), bt.stride(0), ctx.data_ptr(), qsl.data_ptr(), ctx.shape[0], query.shape[1], kvh, d, bs,
+        scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads(),
+    )
+
+
 def paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -175,26 +238,36 @@ def paged_decode(
     out: torch.Tensor,
 ) -> None:
     """Fill ``out`` rows of every sequence with a single query token this step; other rows untouched."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"native CPU kernel unavailable: {_error}")
-    if not (out.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
-        raise ValueError("paged_decode needs a contiguous out and caches of one shape")
-    fn = _fns.get(k_cache.dtype)
-    if fn is None or v_cache.dtype != k_cache.dtype or query.dtype != torch.float32 or out.dtype != torch.float32:
-        raise ValueError(f"paged_decode takes float32 queries and out over caches of one dtype in "
-                         f"{[str(d) for d in _fns]}; got query {query.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
-    bt = block_tables.to(torch.int32).contiguous()
-    ctx = context_lens.to(torch.int32).contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
-    _, bs, kvh, d = k_cache.shape
-    rc = fn(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        bt.data_ptr(), bt.stride(0), ctx.data_ptr(), qsl.data_ptr(), ctx.shape[0], query.shape[1], kvh, d, bs,
-        scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads(),
-    )
+    rc = _call(_fns, "paged_decode", query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
+               sliding_window, out)
     if rc != 0:
         raise RuntimeError("paged_decode could not start its threads")
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Fill ``out`` rows of every sequence with more than one query token this step (prompt chunks,
+    causal from position ``context_len - q_len``); other rows untouched."""
+    if query.shape[1] // k_cache.shape[2] > 16:
+        # the kernel serves at most 16 query heads per kv head; wider groups go to SDPA
+        reference.attend_prefill_chunks(query, k_cache, v_cache, block_tables, context_lens.long(),
+                                        query_start_loc.long(), scale, sliding_window, out)
+        return
+    rc = _call(_prefill_fns, "paged_prefill", query, k_cache, v_cache, block_tables, context_lens,
+               query_start_loc, scale, sliding_window, out)
+    if rc == -1:
+        raise MemoryError("paged_prefill could not allocate its key tiles")
+    if rc != 0:
+        raise ValueError(f"paged_prefill does not take this shape (rc {rc})")
 
 
 def paged_attention(
@@ -211,8 +284,8 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.paged_attention``: decode rows in C, prefill chunks in torch SDPA
-    (a chunk is a matmul-shaped problem that SDPA already does well)."""
+    """Same contract as ``reference.paged_attention``: decode rows and prefill chunks in C, each by its
+    kernel."""
     del max_context_len  # the C kernel bounds every row by its own context length
     num_tokens, num_heads, _ = query.shape
     if num_heads % k_cache.shape[2]:
@@ -225,8 +298,8 @@ def paged_attention(
     paged_decode(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window,
                  target)
     if max_query_len is None or max_query_len > 1:
-        reference.attend_prefill_chunks(query, k_cache, v_cache, block_tables, context_lens.long(),
-                                        query_start_loc.long(), scale, sliding_window, target)
+        paged_prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window,
+                      target)
     if target is not out:
         # only the rows this call owns: rows past query_start_loc[-1] stay untouched
         end = int(query_start_loc[-1])

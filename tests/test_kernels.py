@@ -421,6 +421,68 @@ def test_native_cpu_out_rows_and_hints():
     assert bool((out[4] == 7.0).all()) and bool((buf[:, :, 64:] == 7.0).all())
 
 
+def _spy_prefill(monkeypatch, dtype):
+    """Record the C prefill entry point's calls for caches of ``dtype`` and unbind the other one."""
+    from kvpilot.kernels import cpu_native
+
+    cpu_native.available()
+    if dtype not in cpu_native._prefill_fns:
+        pytest.skip(f"this build has no {dtype} prefill kernel")
+    calls: list[int] = []
+    real = cpu_native._prefill_fns[dtype]
+
+    def spy(*args):
+        calls.append(args[8])  # num_seqs
+        return real(*args)
+
+    monkeypatch.setattr(cpu_native, "_prefill_fns", {dtype: spy})
+    return calls
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    "group,d,bs,window,kv_dtype",
+    [
+        (3, 64, 16, None, torch.float32),
+        (1, 64, 32, None, torch.float32),
+        (16, 64, 16, None, torch.float32),  # the widest group the kernel serves
+        (4, 128, 16, 50, torch.float32),
+        (3, 40, 16, 7, torch.float32),  # a head size off the 32-wide output tile
+        (3, 64, 16, 33, torch.float16),
+        (2, 80, 32, None, torch.float16),
+    ],
+)
+def test_native_cpu_prefill_kernel(monkeypatch, group, d, bs, window, kv_dtype):
+    # chunks over cached prefixes and whole prompts, several 32-position query tiles and 16-key tiles
+    # each, lengths off every tile and block edge; NaN in unused slots, -1 table padding
+    ctx = [150, 300, 33, 2, 97, 1]
+    ql = [70, 100, 33, 2, 97, 1]
+    case = make_case(ctx, ql, kvh=2, group=group, d=d, bs=bs, dtype=torch.float32, seed=group * d)
+    case = as_cache(case, kv_dtype)
+    from kvpilot.kernels import cpu_native
+
+    calls = _spy_prefill(monkeypatch, kv_dtype)
+    want = dense_batch(case, window)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):  # tasks are shared out among threads; each is computed the same way
+            torch.set_num_threads(n)
+            assert_close(cpu_native.paged_attention(*case.args(), sliding_window=window), want, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls and all(c == len(ctx) for c in calls)
+
+
+@needs_cc
+def test_native_cpu_prefill_wide_groups_fall_back_to_sdpa(monkeypatch):
+    from kvpilot.kernels import cpu_native
+
+    calls = _spy_prefill(monkeypatch, torch.float32)
+    case = make_case([40, 1], [40, 1], kvh=1, group=17, d=64, bs=16, dtype=torch.float32, seed=5)
+    assert_close(cpu_native.paged_attention(*case.args()), dense_batch(case), torch.float32)
+    assert calls == []
+
+
 @needs_cc
 def test_dispatch_picks_native_cpu_for_float32(monkeypatch):
     monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
@@ -727,3 +789,26 @@ def test_triton_dispatch_forced(tk, monkeypatch):
 if not INTERPRETED:  # the child process started by test_kernels_under_triton_interpreter runs these
     for _name in [n for n in globals() if n.startswith("test_triton_")]:
         del globals()[_name]
+
+
+@needs_cc
+def test_native_greedy_stats_match_torch():
+    # the greedy sampler's fused pass: torch's argmax (first index of the max on ties), max and logsumexp
+    from kvpilot.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(11)
+    for rows, vocab in ((1, 1), (3, 7), (5, 8), (4, 49152), (2, 1000 + 5)):
+        x = torch.randn(rows, vocab, generator=g) * 8
+        if vocab > 20:
+            x[0, 3] = x[0, vocab - 2] = x[0].max() + 1  # a tie: the first index wins
+            x[1, ::3] = float("-inf")  # masked tokens (a grammar or logit_bias)
+        view = torch.randn(rows, vocab + 9, generator=g)[:, 4 : 4 + vocab]  # rows apart by a stride
+        view.copy_(x)
+        got = cpu_native.greedy_stats(view)
+        assert got is not None
+        tokens, mx, lse = got
+        assert torch.equal(tokens, x.argmax(-1))
+        torch.testing.assert_close(mx, x.amax(-1))
+        torch.testing.assert_close(lse, torch.logsumexp(x, -1), atol=2e-5, rtol=2e-6)
+    assert cpu_native.greedy_stats(torch.zeros(2, 4, dtype=torch.float64)) is None
+    assert cpu_native.greedy_stats(torch.zeros(4, 2).t()) is None  # columns not contiguous

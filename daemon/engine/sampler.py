@@ -40,6 +40,8 @@ from itertools import chain
 
 import torch
 
+from kvpilot.kernels import cpu_native
+
 from .sampling_params import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5
@@ -101,16 +103,20 @@ class Sampler:
         # Row max (for the log-normalizer) and greedy tokens.
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
         rand_rows = [i for i, g in enumerate(greedy) if not g]
-        mx = torch.amax(proc, dim=-1)
-        exp_buf = self._buffer("exp", n, vocab, device)
-        torch.sub(proc, mx[:, None], out=exp_buf)
-        exp_buf.exp_()
-        sum_exp = exp_buf.sum(dim=-1)
-        lse = mx + sum_exp.log()
-
-        tokens = torch.empty(n, dtype=torch.long, device=device)
         ranks = torch.ones(n, dtype=torch.long, device=device)  # greedy tokens are rank 1
-        if len(rand_rows) < n:
+        fused = None if rand_rows else cpu_native.greedy_stats(proc)
+        if fused is not None:
+            # all greedy on the CPU: argmax, max and logsumexp in one native pass per row
+            tokens, mx, lse = fused
+        else:
+            mx = torch.amax(proc, dim=-1)
+            exp_buf = self._buffer("exp", n, vocab, device)
+            torch.sub(proc, mx[:, None], out=exp_buf)
+            exp_buf.exp_()
+            sum_exp = exp_buf.sum(dim=-1)
+            lse = mx + sum_exp.log()
+            tokens = torch.empty(n, dtype=torch.long, device=device)
+        if fused is None and len(rand_rows) < n:
             # argmax over every row costs less than gathering the greedy rows first.
             tokens = proc.argmax(dim=-1)
         if rand_rows:
