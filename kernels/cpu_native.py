@@ -7,7 +7,8 @@ ctypes (which releases the GIL during the call). No compiler, a failed build or
 ``KVPILOT_CPU_KERNEL=0`` all mean ``available()`` is False and callers use the torch reference.
 
 Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
-cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits. Queries and output are float32; the cache is float32 or float16 (``kv_cache_dtype="float16"``:
+cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
+``silu_mul`` and ``rms_norm`` are the model's float32 elementwise steps, one pass each. Queries and output are float32; the cache is float32 or float16 (``kv_cache_dtype="float16"``:
 half the bytes a memory-bound decode step reads, widened to float32 in the kernel). The float16 entry points
 exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports`` says which caches this build takes.
 """
@@ -34,13 +35,14 @@ from . import reference
 
 __all__ = [
     "available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
-    "build_error",
+    "silu_mul", "rms_norm", "build_error",
 ]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "paged_decode_cpu.c", _CSRC / "paged_prefill_cpu.c", _CSRC / "greedy_cpu.c")
+_SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "greedy_cpu.c",
+                                            "elementwise_cpu.c"))
 # -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
@@ -58,6 +60,8 @@ _ENTRY_POINTS = {torch.float32: "f32", torch.float16: "f16kv"}
 _fns: dict[torch.dtype, Callable[..., int]] = {}  # decode
 _prefill_fns: dict[torch.dtype, Callable[..., int]] = {}
 _greedy_fn: Callable[..., None] | None = None
+_silu_mul_fn: Callable[..., None] | None = None
+_rms_norm_fn: Callable[..., None] | None = None
 
 
 def _cpu_signature() -> str:
@@ -151,20 +155,65 @@ def _bind(lib: ctypes.CDLL, prefix: str) -> dict[torch.dtype, Callable[..., int]
 
 
 def _bind_greedy(lib: ctypes.CDLL) -> None:
-    global _greedy_fn
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn = lib.kvpilot_greedy_stats
-    fn.argtypes = [p, i64, i32, i32, p, p, p, i32]
-    fn.restype = None
-    _greedy_fn = fn
+    """The sampler's and the model's helpers (same library, plain float32 entry points)."""
+    global _greedy_fn, _silu_mul_fn, _rms_norm_fn
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for name, argtypes in (("kvpilot_greedy_stats", [p, i64, i32, i32, p, p, p, i32]),
+                           ("kvpilot_silu_mul_f32", [p, i64, i32, i32, p, i32]),
+                           ("kvpilot_rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32])):
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    _greedy_fn, _silu_mul_fn, _rms_norm_fn = lib.kvpilot_greedy_stats, lib.kvpilot_silu_mul_f32, lib.kvpilot_rms_norm_f32
+
+
+def _rows_f32(t: torch.Tensor) -> bool:
+    """A float32 CPU matrix whose rows are contiguous (any row stride): what the row kernels read."""
+    return t.is_cpu and t.dtype is torch.float32 and t.dim() == 2 and t.stride(1) == 1
+
+
+# silu_mul and rms_norm run twice per layer per step: their checks stay few (a few us per call is a
+# measurable share of a small decode step)
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of a fused ``[rows, 2 * inter]`` gate|up projection, as a new contiguous
+    ``[rows, inter]`` tensor; None where the kernel is unavailable or the input is not such a matrix."""
+    if not _rows_f32(gate_up) or gate_up.shape[1] % 2:
+        return None
+    fn = _silu_mul_fn
+    if fn is None and _load() is not None:  # the first call builds and binds the library
+        fn = _silu_mul_fn
+    if fn is None:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((rows, inter))
+    if rows:
+        fn(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of each row of ``x`` [rows, dim], scaled by ``weight`` [dim]; None where the kernel is
+    unavailable or the tensors are not float32 CPU rows (use torch then)."""
+    if (not _rows_f32(x) or weight.dtype is not torch.float32 or not weight.is_cpu or not weight.is_contiguous()
+            or weight.dim() != 1 or weight.shape[0] != x.shape[1]):
+        return None
+    fn = _rms_norm_fn
+    if fn is None and _load() is not None:
+        fn = _rms_norm_fn
+    if fn is None:
+        return None
+    out = x.new_empty(x.shape)
+    if x.shape[0]:
+        fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
+           torch.get_num_threads())
+    return out
 
 
 def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Per row of float32 CPU ``logits`` [rows, vocab]: (argmax int64, max, logsumexp), in one C pass
     per row; None where the kernel is unavailable or the tensor is not such a matrix (use torch then).
     The argmax is torch's: the first index of the largest value."""
-    if not (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.stride(1) == 1 and logits.shape[1] > 0) or _load() is None or _greedy_fn is None:
+    if not (_rows_f32(logits) and logits.shape[1] > 0) or _load() is None or _greedy_fn is None:
         return None
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.long)

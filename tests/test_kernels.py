@@ -812,3 +812,30 @@ def test_native_greedy_stats_match_torch():
         torch.testing.assert_close(lse, torch.logsumexp(x, -1), atol=2e-5, rtol=2e-6)
     assert cpu_native.greedy_stats(torch.zeros(2, 4, dtype=torch.float64)) is None
     assert cpu_native.greedy_stats(torch.zeros(4, 2).t()) is None  # columns not contiguous
+
+
+@needs_cc
+@pytest.mark.parametrize("rows,dim", [(0, 8), (1, 576), (5, 37), (40, 64), (3, 1536)])
+def test_native_silu_mul_and_rms_norm_match_torch(rows, dim):
+    # the model's float32 elementwise steps: odd sizes leave a scalar tail after the 8/16-wide loops,
+    # 40 rows take the threaded path; inputs are views with a row stride, as the model passes them
+    from kvpilot.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(rows * 1000 + dim)
+    gu = (torch.randn(rows, 2 * dim + 3, generator=g) * 6)[:, : 2 * dim]
+    got = cpu_native.silu_mul(gu)
+    assert got is not None and got.is_contiguous() and got.shape == (rows, dim)
+    gate, up = gu.split(dim, dim=-1)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+    x = (torch.randn(rows, dim + 5, generator=g) * 3)[:, :dim]
+    w = torch.randn(dim, generator=g)
+    got = cpu_native.rms_norm(x, w, 1e-5)
+    assert got is not None and got.shape == (rows, dim)
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (dim,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+    # anything else is left to torch
+    assert cpu_native.silu_mul(gu.double()) is None
+    assert cpu_native.silu_mul(torch.zeros(2, 3)) is None  # no even split into gate and up
+    assert cpu_native.rms_norm(x, w[:-1], 1e-5) is None
+    assert cpu_native.rms_norm(x.t(), w, 1e-5) is None

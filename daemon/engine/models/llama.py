@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot import kernels
+from kvpilot.kernels import cpu_native
 
 from .base import AttentionMetadata
 from .linear import linear, prepack, prepack_supported
@@ -32,7 +33,8 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        native = cpu_native.rms_norm(x, weight, eps)  # float32 CPU rows: one native pass (2x torch's op)
+        return native if native is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
     # HF normalizes in float32 and scales by the weight in the model dtype
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
 
@@ -187,8 +189,11 @@ class LlamaDecoderLayer(nn.Module):
 
         # SwiGLU MLP
         gu = linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias)
-        gate, up = gu.split(self.inter, dim=-1)
-        return h + linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        act = cpu_native.silu_mul(gu)  # float32 on the CPU: one pass, 2x SiLU-then-multiply
+        if act is None:
+            gate, up = gu.split(self.inter, dim=-1)
+            act = F.silu(gate) * up
+        return h + linear(act, self.down_weight, self.down_bias)
 
 
 def _layer_sliding_window(config: Any, layer_idx: int) -> int | None:

@@ -1,0 +1,103 @@
+/* The model's elementwise steps for float32 on the CPU: SiLU(gate) * up and RMSNorm.
+ *
+ * Why this exists: in torch each is several ops with temporaries. SiLU * up over the fused gate|up
+ * projection of a 2048-token chunk (2048 x 1536 from a 2048 x 3072 view) took 4.7 ms per layer on 2
+ * AVX2 cores: SiLU of a strided view, then a multiply into a new tensor. RMSNorm is a composite op
+ * whose fixed cost (37 us for 8 rows) is paid 61 times per decode step. Here each is one pass over
+ * its rows, split among the OpenMP threads torch uses.
+ *
+ * silu_mul: gu [rows, 2 * inter] rows gu_stride floats apart (gate = the first inter columns, up =
+ *           the rest); out [rows, inter] contiguous.
+ * rms_norm: x [rows, dim] rows x_stride floats apart; out [rows, dim] contiguous;
+ *           out = x / sqrt(mean(x^2) + eps) * weight; the squares are summed in float32 lanes and the
+ *           lanes in float64.
+ */
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define USE_AVX2 1
+#else
+#define USE_AVX2 0
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if USE_AVX2
+/* e^x, x clamped to [-87, 88]: 2^n * e^r, |r| <= ln2/2, degree-6 Taylor (relative error ~1e-7) */
+static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 e = _mm256_set1_ps(1.0f / 720.0f);
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 120.0f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 24.0f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 6.0f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+}
+#endif
+
+static void silu_mul_row(const float *g, const float *u, float *o, int n) {
+    int i = 0;
+#if USE_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(zero, x))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+#endif
+    for (int r = 0; r < rows; r++) {
+        const float *g = gu + (int64_t)r * gu_stride;
+        silu_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
+    }
+}
+
+static void rms_norm_row(const float *x, const float *w, float eps, float *o, int n) {
+    int i = 0;
+    double ss = 0.0;
+#if USE_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(v0, v0, a0), a1 = _mm256_fmadd_ps(v1, v1, a1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_add_ps(a0, a1));
+    for (int l = 0; l < 8; l++) ss += lanes[l];
+#endif
+    for (; i < n; i++) ss += (double)x[i] * x[i];
+    const float inv = (float)(1.0 / sqrt(ss / n + eps));
+    i = 0;
+#if USE_AVX2
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _mm256_loadu_ps(w + i)));
+#endif
+    for (; i < n; i++) o[i] = x[i] * inv * w[i];
+}
+
+void kvpilot_rms_norm_f32(const float *x, int64_t x_stride, int rows, int dim, const float *weight, float eps,
+                          float *out, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    /* a row is dim floats: below ~32 rows the team costs more than it saves */
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 32)
+#endif
+    for (int r = 0; r < rows; r++) rms_norm_row(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
+}
