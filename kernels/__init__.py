@@ -107,6 +107,10 @@ def store_kv(
 ) -> None:
     """Scatter ``key``/``value`` ``[T, kvh, d]`` into cache slots, converted to the cache dtype; slot -1
     is skipped. In place."""
+    # float32 rows on the CPU: one native pass (a slot out of range falls through to the reference's error)
+    native = k_cache.is_cpu and os.environ.get(_ENV, "").strip().lower() not in ("torch", "triton")
+    if native and cpu_native.store_kv(key, value, k_cache, v_cache, slot_mapping):
+        return
     _impl(k_cache).store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -8,7 +8,8 @@ ctypes (which releases the GIL during the call). No compiler, a failed build or
 
 Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
 cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
-``silu_mul`` and ``rms_norm`` are the model's float32 elementwise steps, one pass each. Queries and output are float32; the cache is float32 or float16 (``kv_cache_dtype="float16"``:
+``silu_mul`` and ``rms_norm`` are the model's float32 elementwise steps and ``store_kv`` its cache
+writes, one pass each. Queries and output are float32; the cache is float32 or float16 (``kv_cache_dtype="float16"``:
 half the bytes a memory-bound decode step reads, widened to float32 in the kernel). The float16 entry points
 exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports`` says which caches this build takes.
 """
@@ -35,14 +36,14 @@ from . import reference
 
 __all__ = [
     "available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
-    "silu_mul", "rms_norm", "build_error",
+    "silu_mul", "rms_norm", "store_kv", "build_error",
 ]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "greedy_cpu.c",
-                                            "elementwise_cpu.c"))
+                                            "elementwise_cpu.c", "store_kv_cpu.c"))
 # -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
@@ -59,6 +60,7 @@ _error: str | None = None
 _ENTRY_POINTS = {torch.float32: "f32", torch.float16: "f16kv"}
 _fns: dict[torch.dtype, Callable[..., int]] = {}  # decode
 _prefill_fns: dict[torch.dtype, Callable[..., int]] = {}
+_store_fns: dict[torch.dtype, Callable[..., int]] = {}
 _greedy_fn: Callable[..., None] | None = None
 _silu_mul_fn: Callable[..., None] | None = None
 _rms_norm_fn: Callable[..., None] | None = None
@@ -132,6 +134,7 @@ def _load() -> ctypes.CDLL | None:
             _fns.update(_bind(lib, "kvpilot_paged_decode_"))
             _prefill_fns.update(_bind(lib, "kvpilot_paged_prefill_"))
             _bind_greedy(lib)
+            _bind_store(lib)
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -165,6 +168,43 @@ def _bind_greedy(lib: ctypes.CDLL) -> None:
         fn.argtypes = argtypes
         fn.restype = None
     _greedy_fn, _silu_mul_fn, _rms_norm_fn = lib.kvpilot_greedy_stats, lib.kvpilot_silu_mul_f32, lib.kvpilot_rms_norm_f32
+
+
+def _bind_store(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for dtype, suffix in _ENTRY_POINTS.items():
+        fn = getattr(lib, "kvpilot_store_kv_" + suffix, None)
+        if fn is None:
+            continue  # no _Float16 in this compiler
+        fn.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64]
+        fn.restype = ctypes.c_int
+        _store_fns[dtype] = fn
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """``kernels.store_kv`` in one native pass: float32 CPU key/value ``[T, kvh, d]`` (each token's heads
+    contiguous, rows any stride apart) into contiguous float32 or float16 caches. False, with nothing
+    written, where it does not apply (the caller uses the torch reference, which also reports bad input)."""
+    if not (key.is_cpu and key.dtype is torch.float32 and value.dtype is torch.float32 and key.dim() == 3
+            and value.shape == key.shape and k_cache.dtype is v_cache.dtype and k_cache.shape == v_cache.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dim() == 1):
+        return False
+    tokens, kvh, d = key.shape
+    if (k_cache.dim() != 4 or k_cache.shape[2] != kvh or k_cache.shape[3] != d or slot_mapping.shape[0] > tokens
+            or key.stride(2) != 1 or key.stride(1) != d or value.stride(2) != 1 or value.stride(1) != d):
+        return False
+    fn = _store_fns.get(k_cache.dtype)
+    if fn is None and _load() is not None:
+        fn = _store_fns.get(k_cache.dtype)
+    if fn is None:
+        return False
+    slots = slot_mapping if slot_mapping.dtype is torch.int64 and slot_mapping.is_contiguous() else (
+        slot_mapping.to(torch.int64).contiguous())
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = fn(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            slots.data_ptr(), slots.shape[0], kvh * d, num_slots)
+    return rc == 0
 
 
 def _rows_f32(t: torch.Tensor) -> bool:

@@ -839,3 +839,37 @@ def test_native_silu_mul_and_rms_norm_match_torch(rows, dim):
     assert cpu_native.silu_mul(torch.zeros(2, 3)) is None  # no even split into gate and up
     assert cpu_native.rms_norm(x, w[:-1], 1e-5) is None
     assert cpu_native.rms_norm(x.t(), w, 1e-5) is None
+
+
+@needs_cc
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_native_store_kv_matches_reference(kv_dtype):
+    from kvpilot.kernels import cpu_native
+
+    cpu_native.available()  # builds and binds the library
+    if kv_dtype not in cpu_native._store_fns:
+        assert kv_dtype is torch.float16 and not _compiler_has_float16()
+        pytest.skip("the C compiler has no _Float16: float32 caches only")
+    g = torch.Generator().manual_seed(3)
+    fused = torch.randn(6, 9, 64, generator=g) * 3
+    fused[2, 5, 7] = 1e6  # saturates at 65504 in a float16 cache, never inf
+    key, value = fused[:, 3:6], fused[:, 6:9]  # strided slices of a fused qkv, as the model passes them
+    slots = torch.tensor([5, -1, 17, 0, 63, 31])  # -1: padding, skipped
+    want_k = torch.full((4, 16, 3, 64), 7.0, dtype=kv_dtype)
+    want_v = want_k.clone()
+    R.store_kv(key, value, want_k, want_v, slots)
+    got_k, got_v = torch.full_like(want_k, 7.0), torch.full_like(want_v, 7.0)
+    assert cpu_native.store_kv(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert bool(torch.isfinite(got_k).all())
+    # through the dispatcher too, with int32 slots
+    k2, v2 = torch.full_like(want_k, 7.0), torch.full_like(want_v, 7.0)
+    K.store_kv(key, value, k2, v2, slots.to(torch.int32))
+    assert torch.equal(k2, want_k) and torch.equal(v2, want_v)
+    # a slot past the cache: nothing written, and the dispatcher reports it as the reference does
+    bad = torch.tensor([1, 64])
+    k3 = torch.full_like(want_k, 7.0)
+    assert not cpu_native.store_kv(key[:2], value[:2], k3, torch.full_like(k3, 7.0), bad)
+    assert bool((k3 == 7.0).all())
+    with pytest.raises(IndexError):
+        K.store_kv(key[:2], value[:2], k3, torch.full_like(k3, 7.0), bad)
