@@ -351,6 +351,8 @@ def main() -> None:
                     r = run_in_repo_venv(peer, work_file, args.threads)
             except Exception as e:  # reported in the results, never skipped
                 r = {"error": f"{type(e).__name__}: {e}"}
+            # merged files keep other peers' last figures: say when each one was taken
+            r["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             result["peers"][peer] = r
             print(peer, json.dumps(r)[:400], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)

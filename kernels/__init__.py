@@ -1,9 +1,10 @@
 """Paged KV-cache kernels with backend dispatch.
 
 The engine imports only from here. Triton runs when the tensors are on CUDA and triton is
-importable. On the CPU, float32 queries over a float32 or float16 cache go to the native kernel
-(``cpu_native``: decode rows in C, built on first use; prefill chunks in torch SDPA) when a C
-compiler is there, and everything else to the torch reference. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
+importable. On the CPU, float32 queries over a float32 or float16 cache go to the native kernels
+(``cpu_native``, built on first use: decode rows and prefill chunks in C, each reading the paged cache
+in place) when a C compiler is there, and everything else to the torch reference; ``store_kv`` of
+float32 rows goes to C as well. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
 one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``). Triton is
 optional: it is imported on first use only.
 

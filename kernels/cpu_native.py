@@ -48,6 +48,9 @@ _SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
+# extra compile flags, appended (part of the cache key): e.g. "-mno-avx2" builds the portable C loops that
+# CPUs without AVX2/FMA run, which is how the tests check them on a machine that has both
+_EXTRA_FLAGS_ENV = "KVPILOT_CPU_KERNEL_CFLAGS"
 _LINK_FLAGS = ["-shared", "-pthread"]
 # With OpenMP the kernel shares torch's thread pool (same libgomp.so.1) instead of starting
 # pthreads that compete with torch's spinning workers: decode steps 10-25% faster on 2 cores.
@@ -64,6 +67,10 @@ _store_fns: dict[torch.dtype, Callable[..., int]] = {}
 _greedy_fn: Callable[..., None] | None = None
 _silu_mul_fn: Callable[..., None] | None = None
 _rms_norm_fn: Callable[..., None] | None = None
+
+
+def _extra_flags() -> list[str]:
+    return os.environ.get(_EXTRA_FLAGS_ENV, "").split()
 
 
 def _cpu_signature() -> str:
@@ -90,7 +97,7 @@ def _build(target: Path, cc: str) -> None:
     try:
         for extra in (_OPENMP_FLAGS, []):
             for src, obj in zip(_SOURCES, objs, strict=True):
-                proc = subprocess.run([cc, "-c", *_COMPILE_FLAGS, *extra, "-o", obj, str(src)],
+                proc = subprocess.run([cc, "-c", *_COMPILE_FLAGS, *_extra_flags(), *extra, "-o", obj, str(src)],
                                       capture_output=True, text=True, timeout=120)
                 if proc.returncode != 0:
                     break
@@ -123,7 +130,7 @@ def _load() -> ctypes.CDLL | None:
             _error = "no C compiler on PATH"
             logger.info("native CPU attention kernel unavailable (%s); using the torch reference", _error)
             return None
-        flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS + _OPENMP_FLAGS)
+        flags = " ".join(_COMPILE_FLAGS + _extra_flags() + _LINK_FLAGS + _OPENMP_FLAGS)
         key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + flags.encode()
                              + _cpu_signature().encode())
         target = cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"

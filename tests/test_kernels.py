@@ -455,8 +455,8 @@ def _spy_prefill(monkeypatch, dtype):
 def test_native_cpu_prefill_kernel(monkeypatch, group, d, bs, window, kv_dtype):
     # chunks over cached prefixes and whole prompts, several 32-position query tiles and 16-key tiles
     # each, lengths off every tile and block edge; NaN in unused slots, -1 table padding
-    ctx = [150, 300, 33, 2, 97, 1]
-    ql = [70, 100, 33, 2, 97, 1]
+    ctx = [150, 300, 33, 2, 97, 1, 700]
+    ql = [70, 100, 33, 2, 97, 1, 600]  # 600: a long chunk, taken by wider query tasks
     case = make_case(ctx, ql, kvh=2, group=group, d=d, bs=bs, dtype=torch.float32, seed=group * d)
     case = as_cache(case, kv_dtype)
     from kvpilot.kernels import cpu_native
@@ -609,6 +609,27 @@ def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
     assert r.stdout.split()[:2] == ["True", "1"], r.stdout + r.stderr
     r = _python_with_cache(code, tmp_path, str(tmp_path), KVPILOT_CPU_KERNEL="0")
     assert r.stdout.startswith("False 1 disabled"), r.stdout + r.stderr
+
+
+@needs_cc
+@pytest.mark.slow
+def test_portable_c_loops_pass_the_kernel_tests(tmp_path):
+    # CPUs without AVX2/FMA run the kernels' plain C loops, which this machine never would: build the
+    # library with -mno-avx2 -mno-fma into a fresh cache and run every native-kernel test against it
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    probe = subprocess.run([cc, "-march=native", "-mno-avx2", "-mno-fma", "-dM", "-E", "-x", "c", "-"], input="",
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{cc} does not take -mno-avx2 -mno-fma")
+    assert "__AVX2__" not in probe.stdout and "__FMA__" not in probe.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native and not portable"],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent,
+        env=dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), KVPILOT_CPU_KERNEL_CFLAGS="-mno-avx2 -mno-fma"),
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
+    assert len(list(tmp_path.glob("kernels/*.so"))) == 1  # the portable build, keyed apart from the native one
 
 
 @needs_cc

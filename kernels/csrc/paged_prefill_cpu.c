@@ -26,10 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define USE_AVX2 1
 #else
 #define USE_AVX2 0
+#endif
+#if USE_AVX2 || defined(__F16C__)
+#include <immintrin.h>
 #endif
 #ifdef _OPENMP
 #include <omp.h>
