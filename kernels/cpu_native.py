@@ -1,5 +1,5 @@
-"""The native CPU attention kernels (``csrc/paged_decode_cpu.c`` and ``csrc/paged_prefill_cpu.c``),
-built on first use.
+"""The native CPU kernels (``csrc/*.c``): paged attention, KV writes and the float32 model's row-wise
+steps, built on first use.
 
 The C sources are compiled with the system C compiler for this very CPU (``-march=native``) into one
 library in kvpilot's user cache, keyed by a hash of the sources, the flags and the CPU, and loaded with
@@ -9,9 +9,10 @@ ctypes (which releases the GIL during the call). No compiler, a failed build or
 Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
 cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
 ``silu_mul`` and ``rms_norm`` are the model's float32 elementwise steps and ``store_kv`` its cache
-writes, one pass each. Queries and output are float32; the cache is float32 or float16 (``kv_cache_dtype="float16"``:
-half the bytes a memory-bound decode step reads, widened to float32 in the kernel). The float16 entry points
-exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports`` says which caches this build takes.
+writes, one pass each. Queries and output are float32; the cache is float32 or float16
+(``kv_cache_dtype="float16"``: half the bytes a memory-bound decode step reads, widened to float32 in the
+kernel). The float16 entry points exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports``
+says which caches this build takes.
 """
 
 from __future__ import annotations
@@ -133,14 +134,14 @@ def _load() -> ctypes.CDLL | None:
         flags = " ".join(_COMPILE_FLAGS + _extra_flags() + _LINK_FLAGS + _OPENMP_FLAGS)
         key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + flags.encode()
                              + _cpu_signature().encode())
-        target = cache_dir() / "kernels" / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+        target = cache_dir() / "kernels" / f"kvpilot_cpu-{key.hexdigest()[:16]}.so"
         try:
             if not target.exists():
                 _build(target, cc)
             lib = ctypes.CDLL(str(target))
             _fns.update(_bind(lib, "kvpilot_paged_decode_"))
             _prefill_fns.update(_bind(lib, "kvpilot_paged_prefill_"))
-            _bind_greedy(lib)
+            _bind_row_kernels(lib)
             _bind_store(lib)
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -164,7 +165,7 @@ def _bind(lib: ctypes.CDLL, prefix: str) -> dict[torch.dtype, Callable[..., int]
     return fns
 
 
-def _bind_greedy(lib: ctypes.CDLL) -> None:
+def _bind_row_kernels(lib: ctypes.CDLL) -> None:
     """The sampler's and the model's helpers (same library, plain float32 entry points)."""
     global _greedy_fn, _silu_mul_fn, _rms_norm_fn
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
