@@ -466,6 +466,8 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--kv-cache-memory", default="1GiB", help="kvpilot's; vLLM gets it rounded up to whole GiB")
     ap.add_argument("--goodput-ttft-s", type=float, default=10.0, help="goodput SLO on TTFT")
     ap.add_argument("--goodput-tpot-s", type=float, default=0.5, help="goodput SLO on TPOT")
+    ap.add_argument("--kvpilot-args", default="", help="more `kvpilot serve` flags, e.g. "
+                    "'--long-prefill-token-threshold 256'")
     ap.add_argument("--output", default=str(RESULTS / "serving.json"))
     args = ap.parse_args()
     unknown = set(args.peers.split(",")) - set(PEERS) - {""}
@@ -482,7 +484,7 @@ def _run_kvpilot(args: argparse.Namespace, load: Load, threads: int, result: dic
     url = args.base_url
     if url is None:
         daemon = DaemonProcess("--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", args.kv_cache_memory,
-                               "--dtype", args.dtype, "--disable-log-requests",
+                               "--dtype", args.dtype, "--disable-log-requests", *args.kvpilot_args.split(),
                                env={"KVPILOT_NUM_THREADS": str(threads)}).start(timeout=600)
         url = daemon.base_url
         result["kvpilot_args"] = daemon.serve_args

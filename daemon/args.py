@@ -54,6 +54,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -150,6 +157,7 @@ _SERVER_FLAGS = (
 _ENGINE_FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "kv_cache_memory": parse_size,
     "swap_space": _non_negative_float,
+    "long_prefill_token_threshold": _non_negative_int,
     "gpu_memory_utilization": float,
     "seed": int,
 }

@@ -306,3 +306,24 @@ def test_scheduler_builds_the_real_manager_by_default():
     (entry,) = [e for e in sched.schedule().scheduled if e.seq is again]
     assert (entry.start_pos, again.num_cached_tokens) == (16, 16)  # two full blocks of 8 from the cache
     assert sched.kv_stats().prefix_cache_hits == 16
+
+
+def test_long_prefill_threshold_caps_prompt_chunks_only_beside_decodes():
+    sched, _ = _scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    first = _seq("first", 30, arrival=0)
+    sched.add_sequence(first)
+    out = sched.schedule()  # nothing decodes yet: the whole prompt in one step, no cap
+    assert [(e.seq.seq_id, e.num_new_tokens) for e in out.scheduled] == [("first", 30)]
+    _decode_all(sched, out)
+    sched.add_sequence(_seq("long", 20, arrival=1))
+    chunks = []
+    for _ in range(3):  # "first" decodes every step: "long" comes in chunks of 8 beside it
+        out = sched.schedule()
+        chunks.append([(e.seq.seq_id, e.num_new_tokens) for e in out.scheduled])
+        _decode_all(sched, out)
+    assert chunks == [[("first", 1), ("long", 8)], [("first", 1), ("long", 8)], [("first", 1), ("long", 4)]]
+
+
+def test_long_prefill_threshold_must_not_be_negative():
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(long_prefill_token_threshold=-1)

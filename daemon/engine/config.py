@@ -37,6 +37,10 @@ class EngineConfig:
         "help": "sequences in the running batch at most"})
     max_num_batched_tokens: int = field(default=2048, metadata={
         "help": "tokens one scheduler step may process at most"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "in a step that also decodes, each prompt chunk takes at most this many tokens, so a long "
+                "prompt stalls running streams for several short steps instead of one long one (lower TPOT "
+                "and inter-token latency, a little later first token for that prompt); 0: no cap"})
     kv_cache_memory: int | None = field(default=None, metadata={
         "help": "bytes for the KV cache on CPU, e.g. 256MiB (default 1 GiB)"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
@@ -60,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

@@ -2,7 +2,8 @@
 
 Each step spends `max_num_batched_tokens`. Running sequences (decodes and unfinished prefill chunks)
 are served first in policy order; then waiting sequences are admitted while budget, sequence slots
-and KV blocks last. When a running sequence cannot get a block, the least important running
+and KV blocks last. With `long_prefill_token_threshold` set, a step that decodes gives each prompt
+chunk at most that many tokens: the step's length, which every running stream waits for, stays short. When a running sequence cannot get a block, the least important running
 sequence is preempted (recompute: drop its blocks; swap: move them to the CPU pool).
 
 The scheduler owns the KV cache manager and only asks it yes/no questions: how much of a sequence
@@ -166,15 +167,24 @@ class Scheduler:
         out = SchedulerOutput()
         # Policy order decides who runs first and who is preempted first (from the tail).
         self.running.sort(key=self._sort_key)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        chunk_cap = self._prefill_chunk_cap()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, chunk_cap)
         # Admission, unless something was just preempted (memory is tight: let running work drain).
         if not out.preempted:
-            budget = self._admit(out, budget)
+            budget = self._admit(out, budget, chunk_cap)
         out.blocks_to_copy = self.kv_manager.take_pending_copies()
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _prefill_chunk_cap(self) -> int:
+        """Most tokens one prompt chunk may take this step: the threshold when some running sequence is
+        decoding (a cap with nothing decoding would only delay the first token), else no cap."""
+        cap = self.config.long_prefill_token_threshold
+        if cap and any(len(seq.all_token_ids) - seq.num_computed_tokens == 1 for seq in self.running):
+            return cap
+        return self.config.max_num_batched_tokens
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
         """Running sequences, most important first. Victims come from the unscheduled tail."""
         idx = 0
         running = self.running
@@ -184,7 +194,7 @@ class Scheduler:
         while idx < len(running) and budget > 0:
             seq = running[idx]
             start = seq.num_computed_tokens
-            num_new = min(len(seq.all_token_ids) - start, budget)
+            num_new = min(len(seq.all_token_ids) - start, budget, chunk_cap)
             if num_new <= 0:
                 idx += 1
                 continue
@@ -200,7 +210,7 @@ class Scheduler:
             idx += 1
         return budget
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
         kv = self.kv_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -214,7 +224,7 @@ class Scheduler:
                 out.blocks_to_swap_in.extend(kv.swap_in(seq))
             elif fresh:
                 computed_blocks, num_cached = kv.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - num_cached, budget, chunk_cap)
             if kv.allocate_slots(seq, num_new, computed_blocks) is None:
                 break  # no room (after a swap-in only if it left none)
             if fresh:
