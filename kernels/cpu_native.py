@@ -132,8 +132,9 @@ def _load() -> ctypes.CDLL | None:
             logger.info("native CPU attention kernel unavailable (%s); using the torch reference", _error)
             return None
         flags = " ".join(_COMPILE_FLAGS + _extra_flags() + _LINK_FLAGS + _OPENMP_FLAGS)
-        key = hashlib.sha256(b"".join(src.read_bytes() for src in _SOURCES) + flags.encode()
-                             + _cpu_signature().encode())
+        # every file of csrc/ (the sources and the header they share) is part of the key
+        key = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_CSRC.iterdir()) if f.suffix in (".c", ".h"))
+                             + flags.encode() + _cpu_signature().encode())
         target = cache_dir() / "kernels" / f"kvpilot_cpu-{key.hexdigest()[:16]}.so"
         try:
             if not target.exists():

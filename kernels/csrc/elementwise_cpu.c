@@ -14,35 +14,12 @@
  */
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define USE_AVX2 1
-#else
-#define USE_AVX2 0
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#if USE_AVX2
-/* e^x, x clamped to [-87, 88]: 2^n * e^r, |r| <= ln2/2, degree-6 Taylor (relative error ~1e-7) */
-static inline __m256 exp_avx2(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 e = _mm256_set1_ps(1.0f / 720.0f);
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 120.0f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 24.0f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 6.0f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-}
-#endif
+#include "cpu_simd.h"
+
 
 static void silu_mul_row(const float *g, const float *u, float *o, int n) {
     int i = 0;

@@ -13,36 +13,12 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define USE_AVX2 1
-#else
-#define USE_AVX2 0
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#if USE_AVX2
-/* e^x for x <= 0 (clamped below at -87, where e^x ~ 1.6e-38): 2^n * e^r, |r| <= ln2/2, degree-6
- * Taylor on r (relative error ~1e-7). */
-static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 e = _mm256_set1_ps(1.0f / 720.0f);
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 120.0f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 24.0f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f / 6.0f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(0.5f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
-    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-}
-#endif
+#include "cpu_simd.h"
+
 
 static void row_stats(const float *x, int vocab, int64_t *argmax, float *max_out, float *lse) {
     int best = 0;
@@ -81,8 +57,8 @@ static void row_stats(const float *x, int vocab, int64_t *argmax, float *max_out
     const __m256 vm = _mm256_set1_ps(mx);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     for (; i + 16 <= vocab; i += 16) {
-        acc0 = _mm256_add_ps(acc0, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
-        acc1 = _mm256_add_ps(acc1, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), vm)));
+        acc0 = _mm256_add_ps(acc0, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm)));
+        acc1 = _mm256_add_ps(acc1, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), vm)));
     }
     float lanes[8];
     _mm256_storeu_ps(lanes, _mm256_add_ps(acc0, acc1));

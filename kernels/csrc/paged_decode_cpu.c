@@ -25,19 +25,11 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-/* gcc defines __FLT16_MAX__ where it has _Float16 (x86 from gcc 12); without it only float32 is built */
-#ifdef __FLT16_MAX__
-#define HAVE_F16 1
-#else
-#define HAVE_F16 0
-#endif
+#include "cpu_simd.h"
 
 enum { KV_F32 = 0, KV_F16 = 1 };  /* element type of the caches */
 

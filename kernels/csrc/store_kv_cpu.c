@@ -13,15 +13,7 @@
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
-
-#ifdef __FLT16_MAX__
-#define HAVE_F16 1
-#else
-#define HAVE_F16 0
-#endif
+#include "cpu_simd.h"
 
 static int slots_in_range(const int64_t *slots, int tokens, int64_t num_slots) {
     for (int t = 0; t < tokens; t++)
