@@ -140,10 +140,10 @@ def _load() -> ctypes.CDLL | None:
             if not target.exists():
                 _build(target, cc)
             lib = ctypes.CDLL(str(target))
-            _fns.update(_bind(lib, "kvpilot_paged_decode_"))
-            _prefill_fns.update(_bind(lib, "kvpilot_paged_prefill_"))
+            _fns.update(_bind(lib, "kvpilot_paged_decode_", _ATTENTION_ARGS))
+            _prefill_fns.update(_bind(lib, "kvpilot_paged_prefill_", _ATTENTION_ARGS))
+            _store_fns.update(_bind(lib, "kvpilot_store_kv_", _STORE_ARGS))
             _bind_row_kernels(lib)
-            _bind_store(lib)
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _error = str(e)
@@ -151,16 +151,21 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
-def _bind(lib: ctypes.CDLL, prefix: str) -> dict[torch.dtype, Callable[..., int]]:
-    """One kernel's entry points by cache dtype, with their C signature (one for all of them)."""
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# the C signatures of the per-cache-dtype entry points (see the sources)
+_ATTENTION_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _P, _I32]
+_STORE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I64]
+
+
+def _bind(lib: ctypes.CDLL, prefix: str, argtypes: list) -> dict[torch.dtype, Callable[..., int]]:
+    """One kernel's entry points by cache dtype (``prefix`` + f32 / f16kv), all with ``argtypes``."""
     fns = {}
     for dtype, suffix in _ENTRY_POINTS.items():
         name = prefix + suffix
         if dtype is not torch.float32 and not hasattr(lib, name):
             continue  # a compiler without _Float16 builds the float32 kernel only
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, p, i32]
+        fn.argtypes = argtypes
         fn.restype = ctypes.c_int
         fns[dtype] = fn
     return fns
@@ -169,7 +174,7 @@ def _bind(lib: ctypes.CDLL, prefix: str) -> dict[torch.dtype, Callable[..., int]
 def _bind_row_kernels(lib: ctypes.CDLL) -> None:
     """The sampler's and the model's helpers (same library, plain float32 entry points)."""
     global _greedy_fn, _silu_mul_fn, _rms_norm_fn
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    p, i64, i32, f32 = _P, _I64, _I32, _F32
     for name, argtypes in (("kvpilot_greedy_stats", [p, i64, i32, i32, p, p, p, i32]),
                            ("kvpilot_silu_mul_f32", [p, i64, i32, i32, p, i32]),
                            ("kvpilot_rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32])):
@@ -177,17 +182,6 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
         fn.argtypes = argtypes
         fn.restype = None
     _greedy_fn, _silu_mul_fn, _rms_norm_fn = lib.kvpilot_greedy_stats, lib.kvpilot_silu_mul_f32, lib.kvpilot_rms_norm_f32
-
-
-def _bind_store(lib: ctypes.CDLL) -> None:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for dtype, suffix in _ENTRY_POINTS.items():
-        fn = getattr(lib, "kvpilot_store_kv_" + suffix, None)
-        if fn is None:
-            continue  # no _Float16 in this compiler
-        fn.argtypes = [p, i64, p, i64, p, p, p, i32, i32, i64]
-        fn.restype = ctypes.c_int
-        _store_fns[dtype] = fn
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
