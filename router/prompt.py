@@ -43,11 +43,10 @@ def load_tokenizer(model: str) -> Tokenizer:
     """The model's tokenizer (a model URI as `kvpilot serve` takes it); '' or 'bytes' gives ByteTokenizer."""
     if model in ("", "bytes"):
         return ByteTokenizer()
-    from transformers import AutoTokenizer
-
     from kvpilot.daemon.engine.loader import resolve_model_path  # converts builtin:// once, cached
+    from kvpilot.daemon.engine.model_files import load_tokenizer as load_model_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_model_path(model)))
+    return load_model_tokenizer(resolve_model_path(model))
 
 
 @dataclass(frozen=True)

@@ -370,15 +370,14 @@ def _model_max_len(hf_config: Any) -> int:
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """Resolve, build and load the native model for ``config``; ``ValueError`` naming the uri on bad input."""
-    from transformers import AutoConfig, AutoTokenizer
-
+    from .model_files import load_config, load_tokenizer
     from .models import get_model_class
 
     t0 = time.perf_counter()
     uri = config.model
     path = resolve_model_path(uri)
     try:
-        hf_config = AutoConfig.from_pretrained(str(path))
+        hf_config = load_config(path)
     except Exception as e:
         raise ValueError(f"model {uri!r}: cannot read config.json in {str(path)!r}: {e}") from e
     model_cls = get_model_class(hf_config, uri)
@@ -393,7 +392,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = load_tokenizer(path)
     except Exception as e:
         raise ValueError(f"model {uri!r}: cannot load a tokenizer from {str(path)!r}: {e}") from e
 
