@@ -50,6 +50,52 @@ def make_workload(name: str, seed: int = 0, vocab: int = 49152) -> list[tuple[li
             for _ in range(n)]
 
 
+def workload_gflop(work: list[tuple[list[int], int]], cfg: dict[str, Any]) -> float:
+    """The workload's matmul work in GFLOP (2 per multiply-add), for the model in config.json ``cfg``.
+
+    Each request runs its prompt and all but its last output token through the layers (P + M - 1
+    tokens): the q/k/v, o, gate/up and down projections, and attention over the tokens before it
+    (q.k and p.v, 4 * heads * head_dim FLOP per visible key). The LM head runs once per output token.
+    Norms, RoPE and softmax are left out: they are not matmuls.
+    """
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    q, kv = heads * hd, kv_heads * hd
+    linear_per_token = 2 * layers * (h * (q + 2 * kv) + q * h + h * 2 * inter + inter * h)
+    flop = 0
+    for prompt, m in work:
+        n = len(prompt) + m - 1
+        flop += n * linear_per_token
+        flop += 4 * heads * hd * layers * n * (n + 1) // 2  # keys 1..n visible to the n positions
+        flop += 2 * cfg["vocab_size"] * h * m
+    return flop / 1e9
+
+
+def sgemm_gflops(repeats: int = 5) -> float:
+    """The best fp32 rate of a 4096^3 torch.mm on this process's threads: the host's matmul rate now."""
+    import torch
+
+    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 4096**3 / best / 1e9
+
+
+def matmul_limit(gflop: float, seconds: float, sgemm_before: float, sgemm_after: float) -> dict[str, float]:
+    """How close a run came to the matmul limit: its GFLOP at the better of the two sgemm rates
+    measured just before and just after it, over its wall time."""
+    peak = max(sgemm_before, sgemm_after)
+    limit_s = gflop / peak
+    return {"gflop": round(gflop, 1), "sgemm_gflops_before": round(sgemm_before, 1),
+            "sgemm_gflops_after": round(sgemm_after, 1), "limit_s": round(limit_s, 2),
+            "fraction_of_limit": round(limit_s / seconds, 3)}
+
+
 def peers_dir() -> Path:
     return cache_dir() / "peers"
 
@@ -279,11 +325,15 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
         llm.generate([{"prompt_token_ids": work[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         llm.engine.reset_prefix_cache()
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+        sgemm_before = sgemm_gflops()
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
         sec = time.perf_counter() - t0
+        sgemm_after = sgemm_gflops()
         tok = sum(len(r.outputs[0].token_ids) for r in res)
-        return {"seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec, "start_s": start_s}
+        cfg = json.loads((llm.engine.loaded.path / "config.json").read_text())
+        return {"seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec, "start_s": start_s,
+                "matmul_limit": matmul_limit(workload_gflop(work, cfg), sec, sgemm_before, sgemm_after)}
     if peer == "hf":
         sys.path.insert(0, str(REPO / "bench"))
         from throughput import bench_hf_static, load_hf
@@ -305,8 +355,13 @@ def markdown(all_results: dict[str, Any]) -> str:
             tps = r["output_tokens_per_s"]
             rel = f"{ours / tps:.2f}x" if ours and peer != "kvpilot" else ""
             start = f"{r['start_s']:.1f}" if "start_s" in r else ""
-            lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | |")
-    lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster)."]
+            lim = r.get("matmul_limit")
+            note = (f"{100 * lim['fraction_of_limit']:.0f}% of the matmul limit ({lim['gflop']:.0f} GFLOP at "
+                    f"{max(lim['sgemm_gflops_before'], lim['sgemm_gflops_after']):.0f} GFLOP/s)") if lim else ""
+            lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | {note} |")
+    lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster). The matmul limit is the run's "
+              "matmul GFLOP (workload_gflop) at the best fp32 4096^3 sgemm rate measured in the same process "
+              "just before and after the run."]
     return "\n".join(lines) + "\n"
 
 

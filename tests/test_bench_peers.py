@@ -1,0 +1,33 @@
+"""bench/peers.py: the matmul-limit arithmetic the closing figures rest on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from peers import make_workload, matmul_limit, workload_gflop  # noqa: E402
+
+TINY = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10}
+
+
+def test_one_token_prompt_one_output_counts_each_matmul_once() -> None:
+    # q/k/v 8x(8+4+4), o 8x8, gate/up 8x32, down 16x8 multiply-adds per layer; 1 visible key; LM head 10x8
+    per_layer = 8 * 16 + 8 * 8 + 8 * 32 + 16 * 8
+    expected = 2 * 2 * per_layer + 4 * 2 * 4 * 2 * 1 + 2 * 10 * 8
+    assert workload_gflop([([5], 1)], TINY) * 1e9 == expected
+
+
+def test_attention_grows_with_every_earlier_token() -> None:
+    # 3 prompt tokens + 2 outputs: 4 tokens through the layers, seeing 1+2+3+4 keys; 2 LM-head rows
+    per_layer = 8 * 16 + 8 * 8 + 8 * 32 + 16 * 8
+    expected = 4 * 2 * 2 * per_layer + 4 * 2 * 4 * 2 * (1 + 2 + 3 + 4) + 2 * 2 * 10 * 8
+    assert workload_gflop([([1, 2, 3], 2)], TINY) * 1e9 == expected
+
+
+def test_limit_uses_the_better_sgemm_rate_and_the_workload_is_fixed() -> None:
+    lim = matmul_limit(gflop=6000.0, seconds=100.0, sgemm_before=100.0, sgemm_after=120.0)
+    assert lim["limit_s"] == 50.0 and lim["fraction_of_limit"] == 0.5
+    assert make_workload("w96") == make_workload("w96") and len(make_workload("w48")) == 48
