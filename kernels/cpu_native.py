@@ -37,14 +37,14 @@ from . import reference
 
 __all__ = [
     "available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
-    "silu_mul", "rms_norm", "store_kv", "build_error",
+    "silu_mul", "rms_norm", "store_kv", "small_gemm", "build_error",
 ]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "greedy_cpu.c",
-                                            "elementwise_cpu.c", "store_kv_cpu.c"))
+                                            "elementwise_cpu.c", "store_kv_cpu.c", "small_gemm_cpu.c"))
 # -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
@@ -68,6 +68,7 @@ _store_fns: dict[torch.dtype, Callable[..., int]] = {}
 _greedy_fn: Callable[..., None] | None = None
 _silu_mul_fn: Callable[..., None] | None = None
 _rms_norm_fn: Callable[..., None] | None = None
+_small_gemm_fn: Callable[..., None] | None = None
 
 
 def _extra_flags() -> list[str]:
@@ -173,15 +174,17 @@ def _bind(lib: ctypes.CDLL, prefix: str, argtypes: list) -> dict[torch.dtype, Ca
 
 def _bind_row_kernels(lib: ctypes.CDLL) -> None:
     """The sampler's and the model's helpers (same library, plain float32 entry points)."""
-    global _greedy_fn, _silu_mul_fn, _rms_norm_fn
+    global _greedy_fn, _silu_mul_fn, _rms_norm_fn, _small_gemm_fn
     p, i64, i32, f32 = _P, _I64, _I32, _F32
     for name, argtypes in (("kvpilot_greedy_stats", [p, i64, i32, i32, p, p, p, i32]),
                            ("kvpilot_silu_mul_f32", [p, i64, i32, i32, p, i32]),
-                           ("kvpilot_rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32])):
+                           ("kvpilot_rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32]),
+                           ("kvpilot_small_gemm_f32", [p, i64, p, i64, p, p, i64, i32, i32, i32, i32])):
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = None
     _greedy_fn, _silu_mul_fn, _rms_norm_fn = lib.kvpilot_greedy_stats, lib.kvpilot_silu_mul_f32, lib.kvpilot_rms_norm_f32
+    _small_gemm_fn = lib.kvpilot_small_gemm_f32
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -249,6 +252,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if x.shape[0]:
         fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
            torch.get_num_threads())
+    return out
+
+
+def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ weight.T (+ bias)`` for float32 CPU rows ``x`` [M, K] and a plain weight [N, K] (rows
+    contiguous), streaming the weight once; None where the kernel is unavailable or the tensors are
+    not such matrices (use torch then). Meant for the few rows of a decode step (see the C source)."""
+    if (not _rows_f32(x) or not _rows_f32(weight) or weight.shape[1] != x.shape[1]
+            or (bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.is_contiguous()
+                                          and bias.shape == (weight.shape[0],)))):
+        return None
+    fn = _small_gemm_fn
+    if fn is None and _load() is not None:
+        fn = _small_gemm_fn
+    if fn is None:
+        return None
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    if x.shape[0]:
+        fn(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0), 0 if bias is None else bias.data_ptr(),
+           out.data_ptr(), out.stride(0), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
     return out
 
 

@@ -863,6 +863,28 @@ def test_native_silu_mul_and_rms_norm_match_torch(rows, dim):
 
 
 @needs_cc
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 49152, 576, False), (2, 960, 576, True), (5, 577, 1536, False),
+                                           (16, 13, 64, True), (3, 20, 37, True), (0, 8, 8, False)])
+def test_native_small_gemm_matches_torch(rows, n, k, bias):
+    # x @ w.T for a decode step's few rows: odd row counts leave a single row, N not a multiple of the
+    # 6-row tile leaves tail rows, K not a multiple of 8 takes the scalar loop; x is a strided view
+    from kvpilot.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    x = torch.randn(rows, k + 3, generator=g)[:, :k]
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_native.small_gemm(x, w, b)
+    assert got is not None and got.shape == (rows, n) and got.is_contiguous()
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=2e-5, rtol=2e-5)
+    # anything else is left to torch
+    assert cpu_native.small_gemm(x.double(), w.double()) is None
+    assert cpu_native.small_gemm(x, w[:, :-1]) is None  # K differs
+    assert cpu_native.small_gemm(x, w.t().contiguous().t()) is None  # weight rows not contiguous
+    assert cpu_native.small_gemm(x, w, torch.zeros(n + 1)) is None  # bias of the wrong length
+
+
+@needs_cc
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_native_store_kv_matches_reference(kv_dtype):
     from kvpilot.kernels import cpu_native

@@ -1,5 +1,6 @@
 """The CPU fast paths of the native model give the plain path's numbers: oneDNN-prepacked GEMM weights,
-the complex-multiply RoPE on interleaved q/k rows, and the malloc settings."""
+the small-step GEMM over their plain rows, the complex-multiply RoPE on interleaved q/k rows, and the
+malloc settings."""
 
 from __future__ import annotations
 
@@ -7,13 +8,21 @@ import pytest
 import torch
 
 from kvpilot.daemon.engine import LLM, host_malloc
-from kvpilot.daemon.engine.models.linear import linear, prepack, prepack_supported
+from kvpilot.daemon.engine.models.linear import (
+    SMALL_BATCH_ROWS,
+    keep_plain_rows,
+    linear,
+    prepack,
+    prepack_supported,
+)
 from kvpilot.daemon.engine.models.llama import _rotate, interleave_rope_rows, rope_inv_freq
 from kvpilot.daemon.engine.runner import SeqBatchEntry
+from kvpilot.kernels import cpu_native
 
 MODEL = "builtin://smollm2-135m"
 needs_onednn = pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32),
                                   reason="oneDNN is not in this torch build")
+needs_native = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native CPU kernels")
 
 
 @needs_onednn
@@ -90,6 +99,48 @@ def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) ->
     torch.testing.assert_close(fast, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="prepacked"):
         model.load_weights([])
+
+
+@needs_onednn
+@needs_native
+def test_small_steps_use_the_plain_rows_and_match_the_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
+    prompt = [(17 * i + 3) % 40000 + 100 for i in range(SMALL_BATCH_ROWS - 5)]  # one step of 11 rows
+    both = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    model = both.engine.runner.model
+    layer = model.layers[0]
+    assert layer.gate_up_weight.is_mkldnn and layer.gate_up_weight_rows is not None
+    # tied: the LM head's plain rows are the embedding table itself
+    assert model.lm_head_rows.data_ptr() == model.embed_tokens.data_ptr()
+    small = _logits(both, prompt)
+    with_rows = both.engine.runner.weight_bytes
+    del both
+    monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
+    dense = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    torch.testing.assert_close(small, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
+    del dense
+    monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "1")
+    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "0")
+    packed_only = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    model = packed_only.engine.runner.model
+    assert model.layers[0].gate_up_weight_rows is None and model.lm_head_rows is None
+    # the plain copies are counted in the weights the memory budget reports
+    gemm_bytes = sum(layer.gemm_weight_bytes() for layer in model.layers)
+    assert with_rows - packed_only.engine.runner.weight_bytes == pytest.approx(gemm_bytes, rel=0.05)
+
+
+@needs_native
+def test_plain_rows_are_kept_only_within_the_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPILOT_SMALL_BATCH_GEMM", raising=False)
+    import os
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert keep_plain_rows(physical // 20) is True
+    assert keep_plain_rows(physical // 5) is False
+    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
+    assert keep_plain_rows(physical) is True
+    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "0")
+    assert keep_plain_rows(0) is False
 
 
 def test_malloc_settings_apply_once(monkeypatch: pytest.MonkeyPatch) -> None:

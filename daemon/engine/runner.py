@@ -142,8 +142,11 @@ class ModelRunner:
         seen: set[int] = set()
         total = 0
         for t in itertools.chain(self.model.parameters(), self.model.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
+            # tensors sharing memory (a tied LM head's plain rows are the embedding's) count once;
+            # a packed oneDNN tensor has no strided storage to compare
+            key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
                 total += t.numel() * t.element_size()
         return total
 
