@@ -864,10 +864,12 @@ def test_native_silu_mul_and_rms_norm_match_torch(rows, dim):
 
 @needs_cc
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 49152, 576, False), (2, 960, 576, True), (5, 577, 1536, False),
-                                           (16, 13, 64, True), (3, 20, 37, True), (0, 8, 8, False)])
+                                           (16, 13, 64, True), (19, 100, 136, True), (3, 20, 37, True),
+                                           (0, 8, 8, False)])
 def test_native_small_gemm_matches_torch(rows, n, k, bias):
-    # x @ w.T for a decode step's few rows: odd row counts leave a single row, N not a multiple of the
-    # 6-row tile leaves tail rows, K not a multiple of 8 takes the scalar loop; x is a strided view
+    # x @ w.T for a decode step's few rows: odd row counts leave a single row, more than 16 go in groups,
+    # N not a multiple of the 6-row tile leaves tail rows, K not a multiple of 8 takes the scalar loop,
+    # K of 136 ends in a partial 64-float chunk; x is a strided view
     from kvpilot.kernels import cpu_native
 
     g = torch.Generator().manual_seed(rows * 7 + n + k)
