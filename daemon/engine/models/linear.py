@@ -13,9 +13,9 @@ storage, so only ``linear`` below may read it.
 
 Steps of up to ``SMALL_BATCH_ROWS`` rows are different: they only stream the weights, and oneDNN reads
 them at 10-14 GB/s where the host gives 20. There ``linear`` takes the weight's plain rows, when the
-model kept them, to ``cpu_native.small_gemm`` (measured on 2 AVX2 cores over 30 layers' weights:
-1.2-1.4x at 1-8 rows, 1.1-1.2x at 12-24; a decode step of 4 running 86 -> 62 ms). Keeping them costs a
-second copy of each GEMM weight, so the models do it only where ``keep_plain_rows`` allows.
+model kept them, to ``cpu_native.small_gemm`` (measured on 2 AVX2 cores, whole decode steps: 73-78 ->
+50-53 ms at 1 running, 105-111 -> 77-79 ms at 8, about even from 16). Keeping them costs a second copy
+of each GEMM weight, so the models do it only where ``keep_plain_rows`` allows.
 """
 
 from __future__ import annotations
