@@ -65,10 +65,7 @@ _ENTRY_POINTS = {torch.float32: "f32", torch.float16: "f16kv"}
 _fns: dict[torch.dtype, Callable[..., int]] = {}  # decode
 _prefill_fns: dict[torch.dtype, Callable[..., int]] = {}
 _store_fns: dict[torch.dtype, Callable[..., int]] = {}
-_greedy_fn: Callable[..., None] | None = None
-_silu_mul_fn: Callable[..., None] | None = None
-_rms_norm_fn: Callable[..., None] | None = None
-_small_gemm_fn: Callable[..., None] | None = None
+_row_fns: dict[str, Callable[..., None]] = {}  # the plain float32 entry points, by C name without "kvpilot_"
 
 
 def _extra_flags() -> list[str]:
@@ -174,17 +171,23 @@ def _bind(lib: ctypes.CDLL, prefix: str, argtypes: list) -> dict[torch.dtype, Ca
 
 def _bind_row_kernels(lib: ctypes.CDLL) -> None:
     """The sampler's and the model's helpers (same library, plain float32 entry points)."""
-    global _greedy_fn, _silu_mul_fn, _rms_norm_fn, _small_gemm_fn
     p, i64, i32, f32 = _P, _I64, _I32, _F32
-    for name, argtypes in (("kvpilot_greedy_stats", [p, i64, i32, i32, p, p, p, i32]),
-                           ("kvpilot_silu_mul_f32", [p, i64, i32, i32, p, i32]),
-                           ("kvpilot_rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32]),
-                           ("kvpilot_small_gemm_f32", [p, i64, p, i64, p, p, i64, i32, i32, i32, i32])):
-        fn = getattr(lib, name)
+    for name, argtypes in (("greedy_stats", [p, i64, i32, i32, p, p, p, i32]),
+                           ("silu_mul_f32", [p, i64, i32, i32, p, i32]),
+                           ("rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32]),
+                           ("small_gemm_f32", [p, i64, p, i64, p, p, i64, i32, i32, i32, i32])):
+        fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = argtypes
         fn.restype = None
-    _greedy_fn, _silu_mul_fn, _rms_norm_fn = lib.kvpilot_greedy_stats, lib.kvpilot_silu_mul_f32, lib.kvpilot_rms_norm_f32
-    _small_gemm_fn = lib.kvpilot_small_gemm_f32
+        _row_fns[name] = fn
+
+
+def _row_kernel(name: str) -> Callable[..., None] | None:
+    """A row kernel's entry point (the first call builds and binds the library); None without one."""
+    fn = _row_fns.get(name)
+    if fn is None and _load() is not None:
+        fn = _row_fns.get(name)
+    return fn
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -225,9 +228,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     ``[rows, inter]`` tensor; None where the kernel is unavailable or the input is not such a matrix."""
     if not _rows_f32(gate_up) or gate_up.shape[1] % 2:
         return None
-    fn = _silu_mul_fn
-    if fn is None and _load() is not None:  # the first call builds and binds the library
-        fn = _silu_mul_fn
+    fn = _row_kernel("silu_mul_f32")
     if fn is None:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -243,9 +244,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if (not _rows_f32(x) or weight.dtype is not torch.float32 or not weight.is_cpu or not weight.is_contiguous()
             or weight.dim() != 1 or weight.shape[0] != x.shape[1]):
         return None
-    fn = _rms_norm_fn
-    if fn is None and _load() is not None:
-        fn = _rms_norm_fn
+    fn = _row_kernel("rms_norm_f32")
     if fn is None:
         return None
     out = x.new_empty(x.shape)
@@ -263,9 +262,7 @@ def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             or (bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.is_contiguous()
                                           and bias.shape == (weight.shape[0],)))):
         return None
-    fn = _small_gemm_fn
-    if fn is None and _load() is not None:
-        fn = _small_gemm_fn
+    fn = _row_kernel("small_gemm_f32")
     if fn is None:
         return None
     out = x.new_empty((x.shape[0], weight.shape[0]))
@@ -279,14 +276,15 @@ def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     """Per row of float32 CPU ``logits`` [rows, vocab]: (argmax int64, max, logsumexp), in one C pass
     per row; None where the kernel is unavailable or the tensor is not such a matrix (use torch then).
     The argmax is torch's: the first index of the largest value."""
-    if not (_rows_f32(logits) and logits.shape[1] > 0) or _load() is None or _greedy_fn is None:
+    fn = _row_kernel("greedy_stats") if _rows_f32(logits) and logits.shape[1] > 0 else None
+    if fn is None:
         return None
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.long)
     mx = torch.empty(rows, dtype=torch.float32)
     lse = torch.empty(rows, dtype=torch.float32)
-    _greedy_fn(logits.data_ptr(), logits.stride(0), rows, vocab, tokens.data_ptr(), mx.data_ptr(), lse.data_ptr(),
-               torch.get_num_threads())
+    fn(logits.data_ptr(), logits.stride(0), rows, vocab, tokens.data_ptr(), mx.data_ptr(), lse.data_ptr(),
+       torch.get_num_threads())
     return tokens, mx, lse
 
 

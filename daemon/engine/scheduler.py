@@ -3,8 +3,9 @@
 Each step spends `max_num_batched_tokens`. Running sequences (decodes and unfinished prefill chunks)
 are served first in policy order; then waiting sequences are admitted while budget, sequence slots
 and KV blocks last. With `long_prefill_token_threshold` set, a step that decodes gives each prompt
-chunk at most that many tokens: the step's length, which every running stream waits for, stays short. When a running sequence cannot get a block, the least important running
-sequence is preempted (recompute: drop its blocks; swap: move them to the CPU pool).
+chunk at most that many tokens: the step's length, which every running stream waits for, stays
+short. When a running sequence cannot get a block, the least important running sequence is
+preempted (recompute: drop its blocks; swap: move them to the CPU pool).
 
 The scheduler owns the KV cache manager and only asks it yes/no questions: how much of a sequence
 is cached (`get_computed_blocks`) and whether it can have room for n more tokens (`allocate_slots`).
