@@ -91,10 +91,11 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
 
     plain_linear = llama.linear
 
-    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+               plain_rows: torch.Tensor | None = None) -> torch.Tensor:
         kind = kinds.get(id(w), "other_linear")
         t0 = time.perf_counter()
-        out = plain_linear(x, w, b)
+        out = plain_linear(x, w, b, plain_rows)
         timers.seconds[kind] += time.perf_counter() - t0
         timers.flops[kind] += 2.0 * x.numel() * w.shape[0]
         return out

@@ -16,6 +16,9 @@ import pytest
 from .lifecycle import Config, Report, run
 from .target import ClusterError
 
+# the daemons the local node agent starts inherit this: their KV caches stay lazily mapped (see tests/conftest.py)
+os.environ.setdefault("KVPILOT_POPULATE_KV", "0")
+
 
 @pytest.fixture(scope="session")
 def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> Report:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvpilot.daemon.engine import LLM
+
+# Test engines (and the servers tests start, which inherit this) keep their KV caches lazily mapped:
+# mapping in a 1 GiB default cache per engine costs CI seconds of a core and the memory to hold it.
+# tests/test_host_memory.py turns it on to test it.
+os.environ.setdefault("KVPILOT_POPULATE_KV", "0")
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     """The real small model, once a module (loading it is the slow part); a module that wants other
-    settings defines its own `llm`, which wins over this one."""
-    return LLM(model="builtin://smollm2-135m", num_kv_blocks=256)
+    settings defines its own `llm`, which wins over this one. float32 on every machine: "auto" is
+    bfloat16 where the CPU has AVX512-BF16 or AMX, and the tests' exact comparisons (a seeded request
+    alone and in a batch) are float32's."""
+    return LLM(model="builtin://smollm2-135m", dtype="float32", num_kv_blocks=256)

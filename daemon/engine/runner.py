@@ -22,7 +22,7 @@ from kvpilot import kernels
 from . import cuda_graphs, host_malloc
 from .config import EngineConfig
 from .loader import LoadedModel
-from .models import AttentionMetadata
+from .models import AttentionMetadata, OutputRows
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class ModelRunner:
         self.num_cpu_blocks = 0
         self._threads_set_for: int | None = None  # thread whose intra-op pool we sized
         self._graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, built by warmup()
+        self._populate_thread: threading.Thread | None = None  # maps the CPU KV cache in (see init_kv_cache)
         self.last_prompt_logprobs: dict[int, PromptLogprobs] = {}  # of the latest execute()
         self._ensure_threads()
 
@@ -221,12 +222,14 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.model.bind_kv_caches(self.k_caches, self.v_caches)
         if self.device.type == "cpu":
-            host_malloc.keep_freed_memory()  # after the caches, so that they stay lazily mapped (see _zeros)
+            host_malloc.keep_freed_memory()  # after the caches, so that they are fresh zero pages (see _zeros)
+            self._populate_thread = host_malloc.populate_in_background(
+                [(t.data_ptr(), t.numel() * t.element_size()) for t in self.k_caches + self.v_caches])
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed cache tensor. On the CPU through calloc: under glibc's default mmap threshold a large
-        block is fresh zero pages, mapped on first touch, where torch.zeros would write the whole KV budget
-        at start (0.4 s of a 4 s start for the default 1 GiB, and all of it resident at once)."""
+        block is fresh zero pages, where torch.zeros would write the whole KV budget at start (0.4 s per
+        GiB, 2-4 s on a VM with fresh memory); init_kv_cache maps them in on a background thread."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
@@ -270,8 +273,9 @@ class ModelRunner:
 
     def _prepare(
         self, entries: list[SeqBatchEntry]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray]:
-        """Flatten the batch: ids, positions, metadata and the rows whose logits are wanted."""
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray, OutputRows | None]:
+        """Flatten the batch: ids, positions, metadata, the rows whose logits are wanted and, where those
+        are not all the rows, them as ``OutputRows`` for the model's last layer."""
         n = len(entries)
         bs = self.block_size
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
@@ -324,7 +328,21 @@ class ModelRunner:
         )
         input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
-        return input_ids, pos, meta, logit_rows
+        output_rows = None
+        if logit_rows.size < total:
+            ctx_out = ctx[want]
+            output_rows = OutputRows(
+                rows=torch.from_numpy(logit_rows).to(dev, non_blocking=True),
+                meta=AttentionMetadata(
+                    slot_mapping=torch.from_numpy(slots[logit_rows]).to(dev, non_blocking=True),
+                    block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[want])).to(dev, non_blocking=True),
+                    context_lens=torch.from_numpy(ctx_out.astype(np.int32)).to(dev, non_blocking=True),
+                    query_start_loc=torch.arange(ctx_out.size + 1, dtype=torch.int32).to(dev, non_blocking=True),
+                    max_query_len=1,
+                    max_context_len=int(ctx_out.max()) if ctx_out.size else 1,
+                ),
+            )
+        return input_ids, pos, meta, logit_rows, output_rows
 
     @torch.inference_mode()
     def execute(self, entries: list[SeqBatchEntry]) -> torch.Tensor:
@@ -334,17 +352,20 @@ class ModelRunner:
         if not entries:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         self._ensure_threads()
-        input_ids, positions, meta, rows = self._prepare(entries)
+        input_ids, positions, meta, rows, output_rows = self._prepare(entries)
+        self.last_prompt_logprobs = {}
         hidden = None
         if self._graphs is not None and meta.max_query_len == 1:
             hidden = self._graphs.run(input_ids, positions, meta)  # None: no bucket fits, run eagerly
-        if hidden is None:
+        if hidden is None and output_rows is not None and not any(e.prompt_targets for e in entries):
+            hidden = self.model(input_ids, positions, meta, output_rows)  # the sampled rows' hidden states only
+        elif hidden is None:  # every row: all decodes, or prompt logprobs to score
             hidden = self.model(input_ids, positions, meta)
-        self.last_prompt_logprobs = self._prompt_logprobs(entries, hidden)
+            self.last_prompt_logprobs = self._prompt_logprobs(entries, hidden)
+            if rows.size != hidden.shape[0]:
+                hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))
         if rows.size == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        if rows.size != hidden.shape[0]:  # all-decode batches keep every row: no gather
-            hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))
         return self.model.compute_logits(hidden)
 
     def _prompt_logprobs(self, entries: list[SeqBatchEntry], hidden: torch.Tensor) -> dict[int, PromptLogprobs]:

@@ -6,10 +6,10 @@ from typing import Any
 
 from torch import nn
 
-from .base import AttentionMetadata
+from .base import AttentionMetadata, OutputRows
 from .llama import LlamaForCausalLM
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "MODEL_REGISTRY", "get_model_class"]
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "OutputRows", "MODEL_REGISTRY", "get_model_class"]
 
 # HF class names in config.json "architectures" -> our implementation
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {

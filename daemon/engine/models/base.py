@@ -21,3 +21,16 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [B + 1]
     max_query_len: int
     max_context_len: int
+
+
+@dataclass
+class OutputRows:
+    """The rows of a step whose final hidden states are used: the last token of each entry that samples.
+
+    The last layer needs every row's K and V (for the cache) but its attention, O projection and MLP only
+    for these rows: ``meta`` attends each of them as a one-token query over its sequence's whole context,
+    which for the last token of a prefill chunk is exactly its causal attention.
+    """
+
+    rows: torch.Tensor  # int64 [R]: indices into the step's T rows, in output order
+    meta: AttentionMetadata  # R one-token queries

@@ -21,7 +21,7 @@ from torch import nn
 from kvpilot import kernels
 from kvpilot.kernels import cpu_native
 
-from .base import AttentionMetadata
+from .base import AttentionMetadata, OutputRows
 from .linear import keep_plain_rows, linear, prepack, prepack_supported
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,9 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        output_rows: OutputRows | None = None,
     ) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``, or ``[R, hidden]`` for ``output_rows`` (K/V of all T rows are stored)."""
         t = x.shape[0]
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
 
@@ -183,6 +185,11 @@ class LlamaDecoderLayer(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, hd)
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if output_rows is not None:  # the rest only for the rows that are used
+            x, q, meta = x.index_select(0, output_rows.rows), q.index_select(0, output_rows.rows), output_rows.meta
+            t = x.shape[0]
+            if t == 0:
+                return x
         o = kernels.paged_attention(
             q,
             k_cache,
@@ -285,15 +292,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"need {self.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
         self.k_caches, self.v_caches = list(k_caches), list(v_caches)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata) -> torch.Tensor:
-        """``input_ids``/``positions`` ``[T]`` → final-normed hidden states ``[T, hidden]``."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata,
+                output_rows: OutputRows | None = None) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` → final-normed hidden states ``[T, hidden]``, or only those of
+        ``output_rows`` (``[R, hidden]``), which the last layer then computes alone."""
         if not self.k_caches:
             raise RuntimeError("KV caches are not bound; call bind_kv_caches first")
         x = F.embedding(input_ids, self.embed_tokens)
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim/2]
         sin = None if self.rope_sin is None else self.rope_sin.index_select(0, positions).unsqueeze(1)
-        for layer, kc, vc in zip(self.layers, self.k_caches, self.v_caches, strict=True):
-            x = layer(x, cos, sin, attn_meta, kc, vc)
+        last = self.num_layers - 1
+        for i, (layer, kc, vc) in enumerate(zip(self.layers, self.k_caches, self.v_caches, strict=True)):
+            x = layer(x, cos, sin, attn_meta, kc, vc, output_rows if i == last else None)
         return _rms_norm(x, self.norm, self.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
