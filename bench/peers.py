@@ -342,15 +342,27 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
     raise ValueError(peer)
 
 
+def host_isa() -> str:
+    """The vector extensions that set the fp32 matmul rate (and whether "auto" picks bfloat16), so that
+    figures merged from several runs say which machine each came from."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return "unknown"
+    isa = [name for name in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if name in flags]
+    return " ".join(isa) or "no avx2"
+
+
 def markdown(all_results: dict[str, Any]) -> str:
     lines = ["# Peers (fp32 SmolLM2-135M, greedy, EOS ignored, random token-id prompts)", "",
-             "| workload | peer | output tok/s | seconds | start s | vs kvpilot | note |",
-             "|---|---|---:|---:|---:|---:|---|"]
+             "| workload | peer | output tok/s | seconds | start s | vs kvpilot | host | note |",
+             "|---|---|---:|---:|---:|---:|---|---|"]
     for wl, res in all_results.items():
         ours = res["peers"].get("kvpilot", {}).get("output_tokens_per_s")
         for peer, r in res["peers"].items():
             if "error" in r:
-                lines.append(f"| {wl} | {peer} | failed | | | | {r['error'][:120].replace('|', '/')} |")
+                lines.append(f"| {wl} | {peer} | failed | | | | | {r['error'][:120].replace('|', '/')} |")
                 continue
             tps = r["output_tokens_per_s"]
             rel = f"{ours / tps:.2f}x" if ours and peer != "kvpilot" else ""
@@ -358,10 +370,12 @@ def markdown(all_results: dict[str, Any]) -> str:
             lim = r.get("matmul_limit")
             note = (f"{100 * lim['fraction_of_limit']:.0f}% of the matmul limit ({lim['gflop']:.0f} GFLOP at "
                     f"{max(lim['sgemm_gflops_before'], lim['sgemm_gflops_after']):.0f} GFLOP/s)") if lim else ""
-            lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | {note} |")
+            host = r.get("host_isa", "not recorded")
+            lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | {host} | {note} |")
     lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster). The matmul limit is the run's "
               "matmul GFLOP (workload_gflop) at the best fp32 4096^3 sgemm rate measured in the same process "
-              "just before and after the run."]
+              "just before and after the run. 'host' is the CPU's vector extensions: AVX-512 hosts run fp32 matmuls "
+              "faster, so compare rows of one host only."]
     return "\n".join(lines) + "\n"
 
 
@@ -408,6 +422,7 @@ def main() -> None:
                 r = {"error": f"{type(e).__name__}: {e}"}
             # merged files keep other peers' last figures: say when each one was taken
             r["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            r["host_isa"] = host_isa()
             result["peers"][peer] = r
             print(peer, json.dumps(r)[:400], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
