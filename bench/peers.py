@@ -345,10 +345,10 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
 def host_isa() -> str:
     """The vector extensions that set the fp32 matmul rate (and whether "auto" picks bfloat16), so that
     figures merged from several runs say which machine each came from."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    except OSError:
+    from kvpilot.daemon.engine.loader import cpu_flags
+
+    flags = cpu_flags()
+    if flags is None:
         return "unknown"
     isa = [name for name in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if name in flags]
     return " ".join(isa) or "no avx2"

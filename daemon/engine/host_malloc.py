@@ -29,6 +29,15 @@ _TRIM_THRESHOLD = 1 << 30
 _done = False
 
 
+def _libc_function(name: str) -> ctypes._CFuncPtr | None:
+    """A libc function, errno kept for ctypes.get_errno(); None where there is no such libc (musl lacks
+    mallopt, macOS has no MADV_POPULATE_WRITE)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Apply the settings once per process; True when they are in effect."""
     global _done
@@ -36,10 +45,8 @@ def keep_freed_memory() -> bool:
         return True
     if os.environ.get("KVPILOT_MALLOC_TUNING", "").strip() == "0":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:  # not glibc
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
@@ -50,16 +57,12 @@ def keep_freed_memory() -> bool:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
-
-
 _POPULATE_CHUNK = 1 << 20
 
 
 def _populate(ranges: list[tuple[int, int]]) -> None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    madvise = _libc_function("madvise")
+    if madvise is None:
         return
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")

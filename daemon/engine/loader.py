@@ -292,16 +292,21 @@ def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- dtype / device
 
 
-def _cpu_has_fast_bf16() -> bool:
-    """AMX-BF16 or AVX512-BF16: bf16 matmuls beat fp32 there; elsewhere bf16 on CPU is emulated and slow."""
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (Linux x86); None where there is no such file or line."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+            line = next((line for line in f if line.startswith("flags")), None)
     except OSError:
-        pass
+        return None
+    return None if line is None else frozenset(line.split(":", 1)[1].split())
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """AMX-BF16 or AVX512-BF16: bf16 matmuls beat fp32 there; elsewhere bf16 on CPU is emulated and slow."""
+    flags = cpu_flags()
+    if flags is not None:
+        return bool(flags & {"amx_bf16", "avx512_bf16"})
     cap = str(torch.backends.cpu.get_cpu_capability()).upper()
     return "AMX" in cap or "BF16" in cap
 

@@ -275,7 +275,8 @@ class ModelRunner:
         self, entries: list[SeqBatchEntry]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray, OutputRows | None]:
         """Flatten the batch: ids, positions, metadata, the rows whose logits are wanted and, where those
-        are not all the rows, them as ``OutputRows`` for the model's last layer."""
+        are not all the rows and no entry scores its prompt (which needs every row), them as ``OutputRows``
+        for the model's last layer."""
         n = len(entries)
         bs = self.block_size
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
@@ -329,7 +330,7 @@ class ModelRunner:
         input_ids = torch.from_numpy(ids).to(dev, non_blocking=True)
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
         output_rows = None
-        if logit_rows.size < total:
+        if logit_rows.size < total and not any(e.prompt_targets for e in entries):
             ctx_out = ctx[want]
             output_rows = OutputRows(
                 rows=torch.from_numpy(logit_rows).to(dev, non_blocking=True),
@@ -337,7 +338,7 @@ class ModelRunner:
                     slot_mapping=torch.from_numpy(slots[logit_rows]).to(dev, non_blocking=True),
                     block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[want])).to(dev, non_blocking=True),
                     context_lens=torch.from_numpy(ctx_out.astype(np.int32)).to(dev, non_blocking=True),
-                    query_start_loc=torch.arange(ctx_out.size + 1, dtype=torch.int32).to(dev, non_blocking=True),
+                    query_start_loc=torch.arange(ctx_out.size + 1, dtype=torch.int32, device=dev),
                     max_query_len=1,
                     max_context_len=int(ctx_out.max()) if ctx_out.size else 1,
                 ),
@@ -353,17 +354,14 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         self._ensure_threads()
         input_ids, positions, meta, rows, output_rows = self._prepare(entries)
-        self.last_prompt_logprobs = {}
         hidden = None
-        if self._graphs is not None and meta.max_query_len == 1:
+        if self._graphs is not None and output_rows is None and meta.max_query_len == 1:
             hidden = self._graphs.run(input_ids, positions, meta)  # None: no bucket fits, run eagerly
-        if hidden is None and output_rows is not None and not any(e.prompt_targets for e in entries):
-            hidden = self.model(input_ids, positions, meta, output_rows)  # the sampled rows' hidden states only
-        elif hidden is None:  # every row: all decodes, or prompt logprobs to score
-            hidden = self.model(input_ids, positions, meta)
-            self.last_prompt_logprobs = self._prompt_logprobs(entries, hidden)
-            if rows.size != hidden.shape[0]:
-                hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))
+        if hidden is None:
+            hidden = self.model(input_ids, positions, meta, output_rows)  # with output_rows: those rows only
+        self.last_prompt_logprobs = {} if output_rows is not None else self._prompt_logprobs(entries, hidden)
+        if output_rows is None and rows.size != hidden.shape[0]:  # every row came back: keep the sampled ones
+            hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))
         if rows.size == 0:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden)
