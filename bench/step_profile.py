@@ -92,10 +92,10 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
     plain_linear = llama.linear
 
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-               plain_rows: torch.Tensor | None = None) -> torch.Tensor:
+               panels: torch.Tensor | None = None) -> torch.Tensor:
         kind = kinds.get(id(w), "other_linear")
         t0 = time.perf_counter()
-        out = plain_linear(x, w, b, plain_rows)
+        out = plain_linear(x, w, b, panels)
         timers.seconds[kind] += time.perf_counter() - t0
         timers.flops[kind] += 2.0 * x.numel() * w.shape[0]
         return out
@@ -231,12 +231,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--context", type=int, default=192)
-    ap.add_argument("--quick", action="store_true", help="one run, batches 8 and 32 and a 512 chunk only")
+    ap.add_argument("--quick", action="store_true", help="one run, batches 4 and 16 and a 512 chunk only")
     ap.add_argument("--out", default="profile", help="basename of the JSON/markdown files in bench/results")
     args = ap.parse_args()
     torch.set_num_threads(cpu_threads())
     threads = torch.get_num_threads()
-    decode_sizes = [8, 32] if args.quick else [8, 32, 96, 256]
+    decode_sizes = [4, 16] if args.quick else [4, 16, 32, 96, 256]
     repeat = 1 if args.quick else args.repeat
     bs = 16
     blocks = max(256 * -(-(args.context + 1) // bs), 2 * 2048 // bs) + 8

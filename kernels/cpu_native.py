@@ -9,7 +9,8 @@ ctypes (which releases the GIL during the call). No compiler, a failed build or
 Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
 cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
 ``silu_mul`` and ``rms_norm`` are the model's float32 elementwise steps and ``store_kv`` its cache
-writes, one pass each. Queries and output are float32; the cache is float32 or float16
+writes, one pass each; ``panel_gemm`` is the GEMM of small decode steps, over weights that
+``pack_panels`` laid out for streaming. Queries and output are float32; the cache is float32 or float16
 (``kv_cache_dtype="float16"``: half the bytes a memory-bound decode step reads, widened to float32 in the
 kernel). The float16 entry points exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports``
 says which caches this build takes.
@@ -37,7 +38,7 @@ from . import reference
 
 __all__ = [
     "available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
-    "silu_mul", "rms_norm", "store_kv", "small_gemm", "build_error",
+    "silu_mul", "rms_norm", "store_kv", "pack_panels", "panel_gemm", "panel_gemm_max_rows", "build_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -175,10 +176,16 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
     for name, argtypes in (("greedy_stats", [p, i64, i32, i32, p, p, p, i32]),
                            ("silu_mul_f32", [p, i64, i32, i32, p, i32]),
                            ("rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32]),
-                           ("small_gemm_f32", [p, i64, p, i64, p, p, i64, i32, i32, i32, i32])):
+                           ("pack_panels_f32", [p, i64, i32, i32, p, i32]),
+                           ("panel_gemm_f32", [p, i64, p, p, p, i64, i32, i32, i32, i32])):
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = argtypes
         fn.restype = None
+        _row_fns[name] = fn
+    for name in ("panel_width", "panel_gemm_max_rows"):  # constants of the build
+        fn = getattr(lib, "kvpilot_" + name)
+        fn.argtypes = []
+        fn.restype = i32
         _row_fns[name] = fn
 
 
@@ -254,22 +261,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return out
 
 
-def small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x @ weight.T (+ bias)`` for float32 CPU rows ``x`` [M, K] and a plain weight [N, K] (rows
-    contiguous), streaming the weight once; None where the kernel is unavailable or the tensors are
-    not such matrices (use torch then). Meant for the few rows of a decode step (see the C source)."""
-    if (not _rows_f32(x) or not _rows_f32(weight) or weight.shape[1] != x.shape[1]
-            or (bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.is_contiguous()
-                                          and bias.shape == (weight.shape[0],)))):
-        return None
-    fn = _row_kernel("small_gemm_f32")
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 CPU weight ``[N, K]`` (rows contiguous) repacked for ``panel_gemm``: ``[panels, K, width]``,
+    each panel ``width`` output columns as K consecutive runs (the last one zero-padded), so that a
+    product streams the weight sequentially; None where the kernel is unavailable or the tensor is not
+    such a matrix. A second copy of the weight: the caller decides whether memory allows it."""
+    fn = _row_kernel("pack_panels_f32") if _rows_f32(weight) else None
     if fn is None:
         return None
-    out = x.new_empty((x.shape[0], weight.shape[0]))
-    if x.shape[0]:
-        fn(x.data_ptr(), x.stride(0), weight.data_ptr(), weight.stride(0), 0 if bias is None else bias.data_ptr(),
-           out.data_ptr(), out.stride(0), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+    n, k = weight.shape
+    width = _panel_width()
+    out = torch.empty((-(-n // width), k, width), dtype=torch.float32)
+    fn(weight.data_ptr(), weight.stride(0), n, k, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ weight.T (+ bias)`` for float32 CPU rows ``x`` [M, K] and ``panels = pack_panels(weight)`` of an
+    ``[n, K]`` weight, reading the weight once per call; None where the kernel is unavailable or the
+    tensors do not fit together (use torch then). Meant for the few rows of a decode step (see the C
+    source); ``panel_gemm_max_rows`` says up to how many rows it beats a library GEMM here."""
+    if (not _rows_f32(x) or panels.dim() != 3 or panels.dtype is not torch.float32 or not panels.is_contiguous()
+            or panels.shape[1] != x.shape[1] or panels.shape[2] != _panel_width()
+            or panels.shape[0] != -(-n // panels.shape[2])
+            or (bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.is_contiguous()
+                                          and bias.shape == (n,)))):
+        return None
+    fn = _row_kernel("panel_gemm_f32")
+    if fn is None:
+        return None
+    out = x.new_empty((x.shape[0], n))
+    if x.shape[0]:
+        fn(x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+           out.stride(0), x.shape[0], n, x.shape[1], torch.get_num_threads())
+    return out
+
+
+def panel_gemm_max_rows() -> int:
+    """Up to how many rows ``panel_gemm`` is the faster GEMM in this build (64 with AVX-512, else 16);
+    0 without the kernel."""
+    fn = _row_kernel("panel_gemm_max_rows")
+    return int(fn()) if fn is not None else 0
+
+
+def _panel_width() -> int:
+    fn = _row_kernel("panel_width")
+    return int(fn()) if fn is not None else 0
 
 
 def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -613,23 +613,30 @@ def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
 
 @needs_cc
 @pytest.mark.slow
-def test_portable_c_loops_pass_the_kernel_tests(tmp_path):
-    # CPUs without AVX2/FMA run the kernels' plain C loops, which this machine never would: build the
-    # library with -mno-avx2 -mno-fma into a fresh cache and run every native-kernel test against it
+@pytest.mark.parametrize("flags,dropped", [("-mno-avx2 -mno-fma", ("__AVX2__", "__FMA__")),
+                                           ("-mno-avx512f", ("__AVX512F__",))], ids=["portable", "avx2"])
+def test_narrower_builds_pass_the_kernel_tests(tmp_path, flags, dropped):
+    # CPUs without AVX2/FMA run the kernels' plain C loops, and AVX2-only CPUs their AVX2 paths where this
+    # machine may have AVX-512: build the library with those extensions off into a fresh cache and run every
+    # native-kernel test against it
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    probe = subprocess.run([cc, "-march=native", "-mno-avx2", "-mno-fma", "-dM", "-E", "-x", "c", "-"], input="",
+    native = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
+                            text=True)
+    if not all(f"#define {macro} " in native.stdout for macro in dropped):
+        pytest.skip(f"the native build has no {' '.join(dropped)} to turn off: it runs the narrower paths already")
+    probe = subprocess.run([cc, "-march=native", *flags.split(), "-dM", "-E", "-x", "c", "-"], input="",
                            capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip(f"{cc} does not take -mno-avx2 -mno-fma")
-    assert "__AVX2__" not in probe.stdout and "__FMA__" not in probe.stdout
+        pytest.skip(f"{cc} does not take {flags}")
+    assert not any(f"#define {macro} " in probe.stdout for macro in dropped)
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native and not portable"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native and not narrower"],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent,
-        env=dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), KVPILOT_CPU_KERNEL_CFLAGS="-mno-avx2 -mno-fma"),
+        env=dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), KVPILOT_CPU_KERNEL_CFLAGS=flags),
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
-    assert len(list(tmp_path.glob("kernels/*.so"))) == 1  # the portable build, keyed apart from the native one
+    assert len(list(tmp_path.glob("kernels/*.so"))) == 1  # the narrower build, keyed apart from the native one
 
 
 @needs_cc
@@ -864,26 +871,33 @@ def test_native_silu_mul_and_rms_norm_match_torch(rows, dim):
 
 @needs_cc
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 49152, 576, False), (2, 960, 576, True), (5, 577, 1536, False),
-                                           (16, 13, 64, True), (19, 100, 136, True), (3, 20, 37, True),
-                                           (0, 8, 8, False)])
-def test_native_small_gemm_matches_torch(rows, n, k, bias):
-    # x @ w.T for a decode step's few rows: odd row counts leave a single row, more than 16 go in groups,
-    # N not a multiple of the 6-row tile leaves tail rows, K not a multiple of 8 takes the scalar loop,
-    # K of 136 ends in a partial 64-float chunk; x is a strided view
+                                           (12, 64, 64, True), (13, 100, 136, True), (3, 20, 37, True),
+                                           (64, 33, 7, False), (0, 8, 8, False)])
+def test_native_panel_gemm_matches_torch(rows, n, k, bias):
+    # x @ w.T for a decode step's few rows, over the weight repacked in 32-column panels: N not a multiple
+    # of 32 leaves a zero-padded last panel, rows beyond one register block (12 with AVX-512, 3 with AVX2)
+    # go in groups with a partial last one, any K works; x is a strided view
     from kvpilot.kernels import cpu_native
 
     g = torch.Generator().manual_seed(rows * 7 + n + k)
     x = torch.randn(rows, k + 3, generator=g)[:, :k]
     w = torch.randn(n, k, generator=g) / k**0.5
     b = torch.randn(n, generator=g) if bias else None
-    got = cpu_native.small_gemm(x, w, b)
+    panels = cpu_native.pack_panels(w)
+    assert panels is not None and panels.shape == (-(-n // 32), k, 32)
+    # the layout: panel p, step k holds w[32p .. 32p + 31, k], zeros past the last row
+    padded = torch.cat([w, w.new_zeros(panels.shape[0] * 32 - n, k)]).view(panels.shape[0], 32, k)
+    assert torch.equal(panels, padded.transpose(1, 2))
+    got = cpu_native.panel_gemm(x, panels, n, b)
     assert got is not None and got.shape == (rows, n) and got.is_contiguous()
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), atol=2e-5, rtol=2e-5)
     # anything else is left to torch
-    assert cpu_native.small_gemm(x.double(), w.double()) is None
-    assert cpu_native.small_gemm(x, w[:, :-1]) is None  # K differs
-    assert cpu_native.small_gemm(x, w.t().contiguous().t()) is None  # weight rows not contiguous
-    assert cpu_native.small_gemm(x, w, torch.zeros(n + 1)) is None  # bias of the wrong length
+    assert cpu_native.pack_panels(w.double()) is None
+    assert cpu_native.pack_panels(w.t().contiguous().t()) is None  # weight rows not contiguous
+    assert cpu_native.panel_gemm(x.double(), panels, n) is None
+    assert cpu_native.panel_gemm(x[:, :-1], panels, n) is None  # K differs
+    assert cpu_native.panel_gemm(x, panels, n + 32) is None  # panels of another weight
+    assert cpu_native.panel_gemm(x, panels, n, torch.zeros(n + 1)) is None  # bias of the wrong length
 
 
 @needs_cc

@@ -1,5 +1,5 @@
 """The CPU fast paths of the native model give the plain path's numbers: oneDNN-prepacked GEMM weights,
-the small-step GEMM over their plain rows, the complex-multiply RoPE on interleaved q/k rows, and the
+the small-step GEMM over their panel copies, the complex-multiply RoPE on interleaved q/k rows, and the
 malloc settings."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from kvpilot.daemon.engine import LLM, host_malloc
+from kvpilot.daemon.engine.models import linear as linear_module
 from kvpilot.daemon.engine.models.linear import (
-    SMALL_BATCH_ROWS,
-    keep_plain_rows,
+    keep_panels,
     linear,
     prepack,
     prepack_supported,
+    small_batch_rows,
 )
 from kvpilot.daemon.engine.models.llama import _rotate, interleave_rope_rows, rope_inv_freq
 from kvpilot.daemon.engine.runner import SeqBatchEntry
@@ -103,18 +104,30 @@ def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) ->
 
 @needs_onednn
 @needs_native
-def test_small_steps_use_the_plain_rows_and_match_the_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
-    prompt = [(17 * i + 3) % 40000 + 100 for i in range(SMALL_BATCH_ROWS - 5)]  # one step of 11 rows
+    assert small_batch_rows() in (16, 64)  # what the build's instruction set picks
+    prompt = [(17 * i + 3) % 40000 + 100 for i in range(11)]  # one step of 11 rows: the panels' range
     both = LLM(model=MODEL, dtype="float32", max_model_len=256)
     model = both.engine.runner.model
     layer = model.layers[0]
-    assert layer.gate_up_weight.is_mkldnn and layer.gate_up_weight_rows is not None
-    # tied: the LM head's plain rows are the embedding table itself
-    assert model.lm_head_rows.data_ptr() == model.embed_tokens.data_ptr()
+    assert layer.gate_up_weight.is_mkldnn and layer.gate_up_weight_panels is not None
+    assert layer.gate_up_weight_panels.shape == (-(-layer.gate_up_weight.shape[0] // 32), 576, 32)
+    assert model.lm_head_panels is not None and model.lm_head_panels.shape[0] == -(-model.vocab_size // 32)
+    calls: list[int] = []
+    real = cpu_native.panel_gemm
+
+    def counted(x: torch.Tensor, *args: object, **kw: object) -> torch.Tensor | None:
+        calls.append(x.shape[0])
+        return real(x, *args, **kw)
+
+    monkeypatch.setattr(linear_module.cpu_native, "panel_gemm", counted)
     small = _logits(both, prompt)
-    with_rows = both.engine.runner.weight_bytes
+    # 4 GEMMs in each of 30 layers at 11 rows, the last layer's after attention and the LM head at the 1 sampled row
+    assert calls.count(11) == 4 * 29 + 1 and calls.count(1) == 4
+    with_panels = both.engine.runner.weight_bytes
     del both
+    monkeypatch.setattr(linear_module.cpu_native, "panel_gemm", real)
     monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
     dense = LLM(model=MODEL, dtype="float32", max_model_len=256)
     torch.testing.assert_close(small, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
@@ -123,24 +136,24 @@ def test_small_steps_use_the_plain_rows_and_match_the_dense_model(monkeypatch: p
     monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "0")
     packed_only = LLM(model=MODEL, dtype="float32", max_model_len=256)
     model = packed_only.engine.runner.model
-    assert model.layers[0].gate_up_weight_rows is None and model.lm_head_rows is None
-    # the plain copies are counted in the weights the memory budget reports
-    gemm_bytes = sum(layer.gemm_weight_bytes() for layer in model.layers)
-    assert with_rows - packed_only.engine.runner.weight_bytes == pytest.approx(gemm_bytes, rel=0.05)
+    assert model.layers[0].gate_up_weight_panels is None and model.lm_head_panels is None
+    # the panels are counted in the weights the memory budget reports: every GEMM weight and the LM head
+    gemm_bytes = sum(layer.gemm_weight_bytes() for layer in model.layers) + model.embed_tokens.numel() * 4
+    assert with_panels - packed_only.engine.runner.weight_bytes == pytest.approx(gemm_bytes, rel=0.05)
 
 
 @needs_native
-def test_plain_rows_are_kept_only_within_the_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_panels_are_kept_only_within_the_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPILOT_SMALL_BATCH_GEMM", raising=False)
     import os
 
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert keep_plain_rows(physical // 20) is True
-    assert keep_plain_rows(physical // 5) is False
+    assert keep_panels(physical // 20) is True
+    assert keep_panels(physical // 5) is False
     monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
-    assert keep_plain_rows(physical) is True
+    assert keep_panels(physical) is True
     monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "0")
-    assert keep_plain_rows(0) is False
+    assert keep_panels(0) is False
 
 
 def test_malloc_settings_apply_once(monkeypatch: pytest.MonkeyPatch) -> None:

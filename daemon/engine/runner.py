@@ -143,7 +143,7 @@ class ModelRunner:
         seen: set[int] = set()
         total = 0
         for t in itertools.chain(self.model.parameters(), self.model.buffers()):
-            # tensors sharing memory (a tied LM head's plain rows are the embedding's) count once;
+            # tensors sharing memory (an unpacked tied LM head is the embedding table) count once;
             # a packed oneDNN tensor has no strided storage to compare
             key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
             if key not in seen:

@@ -11,15 +11,18 @@ Only float32 on the CPU is packed (the dtype this engine picks there); ``KVPILOT
 turns it off. A packed weight is an opaque oneDNN tensor: it has a shape and a size but no strided
 storage, so only ``linear`` below may read it.
 
-Steps of up to ``SMALL_BATCH_ROWS`` rows are different: they only stream the weights, and oneDNN reads
-them at 10-14 GB/s where the host gives 20. There ``linear`` takes the weight's plain rows, when the
-model kept them, to ``cpu_native.small_gemm`` (measured on 2 AVX2 cores, whole decode steps: 73-78 ->
-50-53 ms at 1 running, 105-111 -> 77-79 ms at 8, about even from 16). Keeping them costs a second copy
-of each GEMM weight, so the models do it only where ``keep_plain_rows`` allows.
+Steps of a few rows are different: they only stream the weights, and oneDNN reads them well below
+the host's streaming rate. There ``linear`` takes the weight's panels (``cpu_native.pack_panels``),
+when the model kept them, to ``cpu_native.panel_gemm``, up to ``small_batch_rows()`` rows: 16 on AVX2,
+64 where the build has AVX-512. Measured there over a decode step's GEMMs (30 layers and the LM head,
+538 MB): 12-19 ms at 1-8 rows, where the earlier kernel over plain rows took 25-39 ms, and against
+oneDNN 29 vs 35 ms at 16 rows, 45 vs 53 at 32, 85 vs 96 at 64. The panels are a second copy of each
+GEMM weight, so the models keep them only where ``keep_panels`` allows.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,12 +30,11 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import cpu_native
 
-__all__ = ["linear", "prepack_supported", "prepack", "keep_plain_rows", "SMALL_BATCH_ROWS"]
+__all__ = ["linear", "prepack_supported", "prepack", "keep_panels", "small_batch_rows"]
 
 _ENV = "KVPILOT_PREPACK_WEIGHTS"
-_PLAIN_ROWS_ENV = "KVPILOT_SMALL_BATCH_GEMM"  # 0: never keep plain rows, 1: always (where the kernel builds)
-SMALL_BATCH_ROWS = 16  # up to here the streaming kernel beats oneDNN's packed GEMM (see the module doc)
-_PLAIN_ROWS_MEMORY_SHARE = 0.1  # the second copy may take up to this share of the machine's memory
+_PANELS_ENV = "KVPILOT_SMALL_BATCH_GEMM"  # 0: never keep panels, 1: always (where the kernel builds)
+_PANELS_MEMORY_SHARE = 0.1  # the second copy may take up to this share of the machine's memory
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,11 +50,16 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)  # noqa: SLF001
 
 
-def keep_plain_rows(extra_bytes: int) -> bool:
-    """Whether a model may keep plain copies of its packed weights (``extra_bytes`` in all) for small
+def small_batch_rows() -> int:
+    """Steps of up to this many rows use the panels (0: no kernel)."""
+    return cpu_native.panel_gemm_max_rows()
+
+
+def keep_panels(extra_bytes: int) -> bool:
+    """Whether a model may keep panel copies of its packed weights (``extra_bytes`` in all) for small
     steps: the native kernel is there and the copies take at most a tenth of physical memory, unless
     ``KVPILOT_SMALL_BATCH_GEMM`` says 0 or 1."""
-    setting = os.environ.get(_PLAIN_ROWS_ENV, "").strip()
+    setting = os.environ.get(_PANELS_ENV, "").strip()
     if setting == "0" or not cpu_native.available():
         return False
     if setting == "1":
@@ -61,14 +68,14 @@ def keep_plain_rows(extra_bytes: int) -> bool:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # no sysconf figures: do not guess
         return False
-    return extra_bytes <= _PLAIN_ROWS_MEMORY_SHARE * physical
+    return extra_bytes <= _PANELS_MEMORY_SHARE * physical
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           plain_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that also takes a prepacked weight, and for small steps its plain rows when kept."""
-    if plain_rows is not None and x.shape[0] <= SMALL_BATCH_ROWS:
-        y = cpu_native.small_gemm(x, plain_rows, bias)
+           panels: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that also takes a prepacked weight, and for small steps its panels when kept."""
+    if panels is not None and x.shape[0] <= _small_rows():
+        y = cpu_native.panel_gemm(x, panels, weight.shape[0], bias)
         if y is not None:
             return y
     if weight.is_mkldnn:
@@ -76,3 +83,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x = x.contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # noqa: SLF001
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _small_rows() -> int:
+    # asked on every GEMM of every step: the build's constant, read once
+    return small_batch_rows()

@@ -22,7 +22,7 @@ from kvpilot import kernels
 from kvpilot.kernels import cpu_native
 
 from .base import AttentionMetadata, OutputRows
-from .linear import keep_plain_rows, linear, prepack, prepack_supported
+from .linear import keep_panels, linear, prepack, prepack_supported
 
 logger = logging.getLogger(__name__)
 
@@ -146,23 +146,23 @@ class LlamaDecoderLayer(nn.Module):
         self.down_bias = _param(hidden, **kw) if mlp_bias else None
         self.input_norm = _param(hidden, **kw)
         self.post_norm = _param(hidden, **kw)
-        # plain copies of the prepacked GEMM weights, for small steps (see ``linear``); None: not kept
+        # panel copies of the prepacked GEMM weights, for small steps (see ``linear``); None: not kept
         for name in _GEMM_WEIGHTS:
-            self.register_buffer(_rows_name(name), None, persistent=False)
+            self.register_buffer(_panels_name(name), None, persistent=False)
 
     def gemm_weight_bytes(self) -> int:
         return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in _GEMM_WEIGHTS)
 
-    def prepack_weights(self, keep_plain: bool = False) -> None:
+    def prepack_weights(self, keep_panels: bool = False) -> None:
         """The four GEMM weights become oneDNN-prepacked buffers (see ``linear``), and with
-        ``keep_plain`` the dense ones stay beside them for steps of a few rows."""
+        ``keep_panels`` panel copies go beside them for steps of a few rows."""
         for name in _GEMM_WEIGHTS:
             dense = getattr(self, name)
             packed = prepack(dense)
+            panels = cpu_native.pack_panels(dense.detach()) if keep_panels else None
             del self._parameters[name]
             self.register_buffer(name, packed, persistent=False)
-            if keep_plain:
-                self.register_buffer(_rows_name(name), dense.detach(), persistent=False)
+            self.register_buffer(_panels_name(name), panels, persistent=False)
 
     def forward(
         self,
@@ -179,7 +179,7 @@ class LlamaDecoderLayer(nn.Module):
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
 
         # attention
-        qkv = linear(_rms_norm(x, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias, self.qkv_weight_rows)
+        qkv = linear(_rms_norm(x, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias, self.qkv_weight_panels)
         # q and k heads rotated together: one RoPE pass
         qk = _rotate(qkv[:, : self.q_size + self.kv_size], t, nh + nkv, hd, cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]
@@ -202,23 +202,23 @@ class LlamaDecoderLayer(nn.Module):
             max_context_len=meta.max_context_len,
             sliding_window=self.sliding_window,
         )
-        h = x + linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_rows)
+        h = x + linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_panels)
 
         # SwiGLU MLP
         gu = linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias,
-                    self.gate_up_weight_rows)
+                    self.gate_up_weight_panels)
         act = cpu_native.silu_mul(gu)  # float32 on the CPU: one pass, 2x SiLU-then-multiply
         if act is None:
             gate, up = gu.split(self.inter, dim=-1)
             act = F.silu(gate) * up
-        return h + linear(act, self.down_weight, self.down_bias, self.down_weight_rows)
+        return h + linear(act, self.down_weight, self.down_bias, self.down_weight_panels)
 
 
 _GEMM_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
-def _rows_name(weight_name: str) -> str:
-    return f"{weight_name}_rows"
+def _panels_name(weight_name: str) -> str:
+    return f"{weight_name}_panels"
 
 
 def _layer_sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -285,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
         self.k_caches: list[torch.Tensor] = []
         self.v_caches: list[torch.Tensor] = []
         self.prepacked = False  # see prepack_weights
-        self.register_buffer("lm_head_rows", None, persistent=False)  # the LM head's plain rows beside a packed copy
+        self.register_buffer("lm_head_panels", None, persistent=False)  # the LM head's panels beside a packed copy
 
     def bind_kv_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
@@ -307,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
         return _rms_norm(x, self.norm, self.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head, None, self.lm_head_rows).float()
+        return linear(hidden, self.lm_head, None, self.lm_head_panels).float()
 
     # ------------------------------------------------------------------ prepacked weights
 
@@ -315,24 +315,21 @@ class LlamaForCausalLM(nn.Module):
         """Swap the GEMM weights for oneDNN-prepacked copies (see ``linear``); False where unsupported.
 
         Call after ``load_weights``. The dense weights are released, except the embedding table, which
-        the token lookup still reads: a tied LM head gets a packed copy of its own. Where
-        ``keep_plain_rows`` allows the extra memory, the dense GEMM weights stay too, for steps of up to
-        ``SMALL_BATCH_ROWS`` rows; a tied LM head's plain rows are the embedding table, at no cost.
+        the token lookup still reads: a tied LM head gets a packed copy of its own. Where ``keep_panels``
+        allows the extra memory, panel copies of the GEMM weights and the LM head go beside them, for
+        steps of up to ``small_batch_rows()`` rows.
         """
         if self.prepacked or not prepack_supported(self.device, self.dtype):
             return False
         head = self.lm_head
-        # plain copies for small steps: the layers' cost a second copy of their weights; a tied LM head's
-        # plain rows are the embedding table, kept anyway
-        extra = sum(layer.gemm_weight_bytes() for layer in self.layers)
-        keep_layers = keep_plain_rows(extra + (0 if self.tie_word_embeddings else head.numel() * head.element_size()))
+        extra = sum(layer.gemm_weight_bytes() for layer in self.layers) + head.numel() * head.element_size()
+        keep = keep_panels(extra)
         for layer in self.layers:
-            layer.prepack_weights(keep_plain=keep_layers)
+            layer.prepack_weights(keep_panels=keep)
         packed_head = prepack(head)
+        self.lm_head_panels = cpu_native.pack_panels(head.detach()) if keep else None
         del self._parameters["lm_head"]  # tied: the embedding stays registered as embed_tokens
         self.register_buffer("lm_head", packed_head, persistent=False)
-        if keep_layers or (self.tie_word_embeddings and keep_plain_rows(0)):
-            self.lm_head_rows = head.detach()  # tied: a view of the embedding table, no memory of its own
         self.prepacked = True
         return True
 
