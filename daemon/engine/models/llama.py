@@ -158,8 +158,14 @@ class LlamaDecoderLayer(nn.Module):
         ``keep_panels`` panel copies go beside them for steps of a few rows."""
         for name in _GEMM_WEIGHTS:
             dense = getattr(self, name)
-            packed = prepack(dense)
+            packed = prepack(dense)  # a copy: the dense memory is free to take the panels below
             panels = cpu_native.pack_panels(dense.detach()) if keep_panels else None
+            if panels is not None and panels.numel() == dense.numel():
+                # into the dense weight's own pages, already resident: a fresh copy would fault in
+                # 400+ MB at start, at 1-3 s per GiB on a VM
+                flat = dense.detach().view(-1)
+                flat.copy_(panels.view(-1))
+                panels = flat.view(panels.shape)
             del self._parameters[name]
             self.register_buffer(name, packed, persistent=False)
             self.register_buffer(_panels_name(name), panels, persistent=False)
