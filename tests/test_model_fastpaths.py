@@ -88,6 +88,7 @@ def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 @needs_onednn
 def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "0")  # oneDNN at every row count (panels: the next test)
     prompt = [(31 * i + 7) % 40000 + 100 for i in range(70)]
     packed = LLM(model=MODEL, dtype="float32", max_model_len=256)
     model = packed.engine.runner.model
@@ -106,7 +107,7 @@ def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) ->
 @needs_native
 def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
-    assert small_batch_rows() in (16, 64)  # what the build's instruction set picks
+    assert small_batch_rows() in (16, 512)  # what the build's instruction set picks
     prompt = [(17 * i + 3) % 40000 + 100 for i in range(11)]  # one step of 11 rows: the panels' range
     both = LLM(model=MODEL, dtype="float32", max_model_len=256)
     model = both.engine.runner.model
