@@ -327,6 +327,9 @@ class AsyncEngine:
             from .engine import LLMEngine
 
             factory = LLMEngine
+        from .engine import host_malloc
+
+        host_malloc.populate_at_idle_priority()  # requests come first: the KV pages map in on idle cores
         engine = factory(self.config)
         engine.warmup()
         stats = engine.get_stats()

@@ -8,6 +8,7 @@ import ctypes.util
 import mmap
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -82,3 +83,26 @@ def test_engine_kv_cache_is_resident_after_start(monkeypatch: pytest.MonkeyPatch
         assert res == total, (res, total)
     out = llm.generate(["The capital of France is"], use_tqdm=False)
     assert out[0].outputs[0].token_ids
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
+def test_a_server_populates_at_idle_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPILOT_POPULATE_KV", raising=False)
+    monkeypatch.setattr(host_malloc, "_idle_priority", threading.Event())  # this test's switch only
+    buf = fresh_zeros(512 << 20)  # big enough to watch the thread run: fresh pages map in at ~GB/s at best
+    host_malloc.populate_at_idle_priority()
+    thread = host_malloc.populate_in_background([(buf.ctypes.data, buf.nbytes)])
+    assert thread is not None
+    seen: set[int] = set()
+    while thread.is_alive():
+        try:
+            seen.add(os.sched_getscheduler(thread.native_id))
+        except OSError:  # it ended between the two calls
+            break
+    thread.join(timeout=60)
+    if not seen:
+        pytest.skip("the population finished before its policy could be read")
+    # it lowers itself before its first chunk; an offline run's thread (the test above) keeps SCHED_OTHER
+    assert seen <= {os.SCHED_IDLE, os.SCHED_OTHER} and os.SCHED_IDLE in seen, seen
+    res, total = resident_pages(buf.ctypes.data, buf.nbytes)
+    assert res == total, (res, total)  # at idle priority, on a quiet test machine, it still finishes
