@@ -281,7 +281,8 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor
     ``[n, K]`` weight, reading the weight once per call; None where the kernel is unavailable or the
     tensors do not fit together (use torch then). Meant for the few rows of a decode step (see the C
     source); ``panel_gemm_max_rows`` says up to how many rows it beats a library GEMM here."""
-    if (not _rows_f32(x) or panels.dim() != 3 or panels.dtype is not torch.float32 or not panels.is_contiguous()
+    if (not _rows_f32(x) or panels.dim() != 3 or not panels.is_cpu or panels.dtype is not torch.float32
+            or not panels.is_contiguous()
             or panels.shape[1] != x.shape[1] or panels.shape[2] != _panel_width()
             or panels.shape[0] != -(-n // panels.shape[2])
             or (bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.is_contiguous()
@@ -304,9 +305,17 @@ def panel_gemm_max_rows() -> int:
     return int(fn()) if fn is not None else 0
 
 
+_panel_width_cache: list[int] = []
+
+
 def _panel_width() -> int:
-    fn = _row_kernel("panel_width")
-    return int(fn()) if fn is not None else 0
+    # read on every panel_gemm call: one ctypes call, once
+    if not _panel_width_cache:
+        fn = _row_kernel("panel_width")
+        if fn is None:
+            return 0
+        _panel_width_cache.append(int(fn()))
+    return _panel_width_cache[0]
 
 
 def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -88,15 +88,19 @@ def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 @needs_onednn
 def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "0")  # oneDNN at every row count (panels: the next test)
-    prompt = [(31 * i + 7) % 40000 + 100 for i in range(70)]
-    packed = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    # a step above the panels' row limit: oneDNN's packed weights compute it, with the panels kept beside
+    # them (written into the dense weights' memory after oneDNN took its copy, which this checks too)
+    if cpu_native.available():
+        monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
+    prompt = [(31 * i + 7) % 40000 + 100 for i in range(small_batch_rows() + 20)]
+    packed = LLM(model=MODEL, dtype="float32", max_model_len=1024)
     model = packed.engine.runner.model
     assert model.prepacked and model.lm_head.is_mkldnn and model.layers[0].gate_up_weight.is_mkldnn
+    assert (model.layers[0].gate_up_weight_panels is not None) == cpu_native.available()
     fast = _logits(packed, prompt)
     del packed
     monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
-    dense = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    dense = LLM(model=MODEL, dtype="float32", max_model_len=1024)
     assert not dense.engine.runner.model.prepacked
     torch.testing.assert_close(fast, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="prepacked"):
