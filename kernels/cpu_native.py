@@ -67,6 +67,7 @@ _fns: dict[torch.dtype, Callable[..., int]] = {}  # decode
 _prefill_fns: dict[torch.dtype, Callable[..., int]] = {}
 _store_fns: dict[torch.dtype, Callable[..., int]] = {}
 _row_fns: dict[str, Callable[..., None]] = {}  # the plain float32 entry points, by C name without "kvpilot_"
+_build_constants: dict[str, int] = {}  # e.g. panel_width, read from the library when it is bound
 
 
 def _extra_flags() -> list[str]:
@@ -182,11 +183,18 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
         fn.argtypes = argtypes
         fn.restype = None
         _row_fns[name] = fn
-    for name in ("panel_width", "panel_gemm_max_rows"):  # constants of the build
+    for name in ("panel_width", "panel_gemm_max_rows"):  # constants of the build, read once here
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = []
         fn.restype = i32
-        _row_fns[name] = fn
+        _build_constants[name] = int(fn())
+
+
+def _build_constant(name: str) -> int:
+    """A constant the library was built with (``kvpilot_<name>()``); 0 without the library."""
+    if name not in _build_constants:
+        _load()
+    return _build_constants.get(name, 0)
 
 
 def _row_kernel(name: str) -> Callable[..., None] | None:
@@ -301,21 +309,11 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor
 def panel_gemm_max_rows() -> int:
     """Up to how many rows ``panel_gemm`` is the faster GEMM in this build (512 with AVX-512, else 16);
     0 without the kernel."""
-    fn = _row_kernel("panel_gemm_max_rows")
-    return int(fn()) if fn is not None else 0
-
-
-_panel_width_cache: list[int] = []
+    return _build_constant("panel_gemm_max_rows")
 
 
 def _panel_width() -> int:
-    # read on every panel_gemm call: one ctypes call, once
-    if not _panel_width_cache:
-        fn = _row_kernel("panel_width")
-        if fn is None:
-            return 0
-        _panel_width_cache.append(int(fn()))
-    return _panel_width_cache[0]
+    return _build_constant("panel_width")
 
 
 def greedy_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

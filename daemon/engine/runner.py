@@ -359,7 +359,7 @@ class ModelRunner:
             hidden = self._graphs.run(input_ids, positions, meta)  # None: no bucket fits, run eagerly
         if hidden is None:
             hidden = self.model(input_ids, positions, meta, output_rows)  # with output_rows: those rows only
-        self.last_prompt_logprobs = {} if output_rows is not None else self._prompt_logprobs(entries, hidden)
+        self.last_prompt_logprobs = self._prompt_logprobs(entries, hidden)  # none asked when output_rows is set
         if output_rows is None and rows.size != hidden.shape[0]:  # every row came back: keep the sampled ones
             hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))
         if rows.size == 0:

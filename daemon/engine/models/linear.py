@@ -23,7 +23,6 @@ GEMM weight, so the models keep them only where ``keep_panels`` allows.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -52,7 +51,8 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_batch_rows() -> int:
-    """Steps of up to this many rows use the panels (0: no kernel)."""
+    """Steps of up to this many rows use the panels (0: no kernel). A constant of the native build, read
+    once: this is asked on every GEMM of every step."""
     return cpu_native.panel_gemm_max_rows()
 
 
@@ -75,7 +75,7 @@ def keep_panels(extra_bytes: int) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            panels: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` that also takes a prepacked weight, and for small steps its panels when kept."""
-    if panels is not None and x.shape[0] <= _small_rows():
+    if panels is not None and x.shape[0] <= small_batch_rows():
         y = cpu_native.panel_gemm(x, panels, weight.shape[0], bias)
         if y is not None:
             return y
@@ -84,9 +84,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x = x.contiguous()
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # noqa: SLF001
     return F.linear(x, weight, bias)
-
-
-@functools.cache
-def _small_rows() -> int:
-    # asked on every GEMM of every step: the build's constant, read once
-    return small_batch_rows()

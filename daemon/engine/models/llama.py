@@ -159,13 +159,7 @@ class LlamaDecoderLayer(nn.Module):
         for name in _GEMM_WEIGHTS:
             dense = getattr(self, name)
             packed = prepack(dense)  # a copy: the dense memory is free to take the panels below
-            panels = cpu_native.pack_panels(dense.detach()) if keep_panels else None
-            if panels is not None and panels.numel() == dense.numel():
-                # into the dense weight's own pages, already resident: a fresh copy would fault in
-                # 400+ MB at start, at 1-3 s per GiB on a VM
-                flat = dense.detach().view(-1)
-                flat.copy_(panels.view(-1))
-                panels = flat.view(panels.shape)
+            panels = _panels_in_place(dense) if keep_panels else None
             del self._parameters[name]
             self.register_buffer(name, packed, persistent=False)
             self.register_buffer(_panels_name(name), panels, persistent=False)
@@ -225,6 +219,18 @@ _GEMM_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 def _panels_name(weight_name: str) -> str:
     return f"{weight_name}_panels"
+
+
+def _panels_in_place(dense: torch.Tensor) -> torch.Tensor | None:
+    """``cpu_native.pack_panels`` of a weight nothing reads densely any more, written into the weight's
+    own pages where the sizes match (no padding): they are resident already, and a fresh copy would
+    fault in 400+ MB at start, at 1-3 s per GiB on a VM."""
+    panels = cpu_native.pack_panels(dense.detach())
+    if panels is None or panels.numel() != dense.numel():
+        return panels
+    flat = dense.detach().view(-1)
+    flat.copy_(panels.view(-1))
+    return flat.view(panels.shape)
 
 
 def _layer_sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -333,7 +339,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.prepack_weights(keep_panels=keep)
         packed_head = prepack(head)
-        self.lm_head_panels = cpu_native.pack_panels(head.detach()) if keep else None
+        if keep:  # a tied head is the embedding table, which the token lookup still reads densely
+            self.lm_head_panels = cpu_native.pack_panels(head.detach()) if self.tie_word_embeddings \
+                else _panels_in_place(head)
         del self._parameters["lm_head"]  # tied: the embedding stays registered as embed_tokens
         self.register_buffer("lm_head", packed_head, persistent=False)
         self.prepacked = True
