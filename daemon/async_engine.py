@@ -51,6 +51,7 @@ class Engine(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def get_stats(self) -> Any: ...
     def warmup(self) -> None: ...
+    def wait_for_kv_cache_mapped(self) -> None: ...
 
 
 class EngineMetrics(Protocol):
@@ -122,8 +123,10 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, *, max_queued_requests: int = 1024,
                  max_queued_tokens: int | None = None, metrics: EngineMetrics | None = None,
-                 engine_factory: Callable[[EngineConfig], Engine] | None = None) -> None:
+                 engine_factory: Callable[[EngineConfig], Engine] | None = None,
+                 ready_before_kv_cache_mapped: bool = False) -> None:
         self.config = config
+        self.ready_before_kv_cache_mapped = ready_before_kv_cache_mapped
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
         self.metrics = metrics
@@ -329,9 +332,17 @@ class AsyncEngine:
             factory = LLMEngine
         from .engine import host_malloc
 
-        host_malloc.populate_at_idle_priority()  # requests come first: the KV pages map in on idle cores
+        if self.ready_before_kv_cache_mapped:
+            host_malloc.populate_at_idle_priority()  # requests come first: the KV pages map in on idle cores
         engine = factory(self.config)
         engine.warmup()
+        if not self.ready_before_kv_cache_mapped:
+            # Ready means full speed. On a VM whose host backs guest memory on first touch, mapping a
+            # fresh GiB takes seconds, and while it runs beside requests their steps ran up to 2x slower
+            # (see the flag's help).
+            started = time.monotonic()
+            engine.wait_for_kv_cache_mapped()
+            log.info("KV cache mapped in; waited %.1f s after the model loaded", time.monotonic() - started)
         stats = engine.get_stats()
         self.stats = stats
         try:

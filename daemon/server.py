@@ -209,7 +209,8 @@ def build_app(args: ServeArgs, engine: AsyncEngine | None = None) -> web.Applica
     config = args.engine_config()
     if engine is None:
         engine = AsyncEngine(config, max_queued_requests=args.max_queued_requests,
-                             max_queued_tokens=args.max_queued_tokens, metrics=daemon_metrics)
+                             max_queued_tokens=args.max_queued_tokens, metrics=daemon_metrics,
+                             ready_before_kv_cache_mapped=args.ready_before_kv_cache_mapped)
     else:
         engine.metrics = daemon_metrics
     daemon_metrics.block_size = config.block_size

@@ -401,6 +401,9 @@ def paged_decode(
         raise RuntimeError("paged_decode could not start its threads")
 
 
+_PREFILL_MAX_HEAD_DIM = 512  # MAX_HEAD_DIM in paged_prefill_cpu.c
+
+
 def paged_prefill(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -414,8 +417,9 @@ def paged_prefill(
 ) -> None:
     """Fill ``out`` rows of every sequence with more than one query token this step (prompt chunks,
     causal from position ``context_len - q_len``); other rows untouched."""
-    if query.shape[1] // k_cache.shape[2] > 16:
-        # the kernel serves at most 16 query heads per kv head; wider groups go to SDPA
+    if query.shape[1] // k_cache.shape[2] > 16 or query.shape[2] > _PREFILL_MAX_HEAD_DIM:
+        # the kernel serves at most 16 query heads per kv head and head dims up to its row buffers';
+        # other shapes go to SDPA
         reference.attend_prefill_chunks(query, k_cache, v_cache, block_tables, context_lens.long(),
                                         query_start_loc.long(), scale, sliding_window, out)
         return

@@ -3,12 +3,14 @@ checked with mincore(2): what the kernel reports resident, not what the code bel
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import mmap
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -106,3 +108,37 @@ def test_a_server_populates_at_idle_priority(monkeypatch: pytest.MonkeyPatch) ->
     assert seen <= {os.SCHED_IDLE, os.SCHED_OTHER} and os.SCHED_IDLE in seen, seen
     res, total = resident_pages(buf.ctypes.data, buf.nbytes)
     assert res == total, (res, total)  # at idle priority, on a quiet test machine, it still finishes
+
+
+@pytest.mark.parametrize("ready_before_mapped", [False, True])
+async def test_a_server_is_ready_once_its_kv_cache_is_mapped(monkeypatch: pytest.MonkeyPatch,
+                                                               ready_before_mapped: bool) -> None:
+    # Readiness means full speed: by default the daemon reports ready only after the population has
+    # finished; --ready-before-kv-cache-mapped reports it as soon as the model is loaded. The real
+    # population runs, only held back a while, so that the order of the two is visible on any host.
+    from kvpilot.daemon.async_engine import AsyncEngine
+    from kvpilot.daemon.engine.config import EngineConfig
+
+    monkeypatch.delenv("KVPILOT_POPULATE_KV", raising=False)
+    monkeypatch.setenv("KVPILOT_NUM_THREADS", "1")
+    monkeypatch.setattr(host_malloc, "_idle_priority", threading.Event())  # this test's switch only
+    mapped = threading.Event()
+    real_populate = host_malloc._populate
+
+    def slow_populate(ranges: list[tuple[int, int]]) -> None:
+        time.sleep(3.0)
+        real_populate(ranges)
+        mapped.set()
+
+    monkeypatch.setattr(host_malloc, "_populate", slow_populate)
+    engine = AsyncEngine(EngineConfig(max_num_seqs=2, kv_cache_memory=32 << 20),
+                         ready_before_kv_cache_mapped=ready_before_mapped)
+    await engine.start()
+    try:
+        assert engine.ready
+        assert mapped.is_set() is not ready_before_mapped
+        assert host_malloc._idle_priority.is_set() is ready_before_mapped  # idle priority only beside requests
+    finally:
+        await engine.shutdown()
+    await asyncio.to_thread(mapped.wait, 30)
+    assert mapped.is_set()

@@ -453,7 +453,7 @@ def _spy_prefill(monkeypatch, dtype):
     ],
 )
 def test_native_cpu_prefill_kernel(monkeypatch, group, d, bs, window, kv_dtype):
-    # chunks over cached prefixes and whole prompts, several 32-position query tiles and 16-key tiles
+    # chunks over cached prefixes and whole prompts, several 32-position query tiles and 64-key tiles
     # each, lengths off every tile and block edge; NaN in unused slots, -1 table padding
     ctx = [150, 300, 33, 2, 97, 1, 700]
     ql = [70, 100, 33, 2, 97, 1, 600]  # 600: a long chunk, taken by wider query tasks

@@ -1,6 +1,6 @@
 """Host memory for CPU inference: glibc malloc settings that keep freed activation buffers instead of
 unmapping them, and ``populate_in_background`` for the KV cache's fresh pages (see there; a server
-calls ``populate_at_idle_priority`` first).
+waits for it before it reports ready, or calls ``populate_at_idle_priority`` first).
 
 A forward pass allocates activations of up to tens of MiB per op (a 2048-token chunk's gate/up output
 is 24 MiB). glibc serves blocks that large with a fresh mmap and unmaps them on free, so every op
@@ -67,9 +67,12 @@ _idle_priority = threading.Event()
 
 def populate_at_idle_priority() -> None:
     """Population threads run under SCHED_IDLE from now on (one already running switches at its next
-    chunk): only on a core nothing else wants. For a server, whose first requests would otherwise share
-    the cores with it. Measured on 2 cores, requests every 2 s from the start: the first five requests'
+    chunk): only on a core nothing else wants. For a server that reports ready before the population
+    has finished (``--ready-before-kv-cache-mapped``), whose first requests would otherwise share the
+    cores with it. Measured on 2 cores, requests every 2 s from the start: the first five requests'
     first tokens took 1.8-3.4 s with the population at normal priority and 0.3-0.9 s at idle priority.
+    Idle priority is still not free where the host backs guest memory on first touch: at 2 req/s from
+    the start the first requests' steps ran up to 2x slower, hence a server's default of waiting.
     Offline runs keep normal priority: there the population overlapping the first steps is the point
     (96 requests: 41 s against 44-49 s at idle priority, where the steps fault the pages in themselves)."""
     _idle_priority.set()

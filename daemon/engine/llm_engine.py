@@ -444,5 +444,9 @@ class LLMEngine:
     def warmup(self) -> None:
         self.runner.warmup()
 
+    def wait_for_kv_cache_mapped(self) -> None:
+        """Block until the KV cache's pages are mapped in (see ``host_malloc.populate_in_background``)."""
+        self.runner.wait_for_kv_cache_mapped()
+
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()

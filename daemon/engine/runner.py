@@ -393,6 +393,12 @@ class ModelRunner:
                 res.top += [[] for _ in range(tgt.numel())]
         return res
 
+    def wait_for_kv_cache_mapped(self) -> None:
+        """Return once the background thread has mapped the CPU KV cache's pages in (at once when none
+        runs: GPU caches, KVPILOT_POPULATE_KV=0, or already done)."""
+        if self._populate_thread is not None:
+            self._populate_thread.join()
+
     def warmup(self) -> None:
         """One tiny forward through block 0 (its contents are scratch until the engine writes it)."""
         n = min(4, self.block_size)

@@ -25,15 +25,12 @@
 #endif
 
 #include "cpu_simd.h"
+#include "panel_kernel.h"
 
-enum { PANEL = 32 };
-
-/* MB: x rows one pass over a panel serves (macros: the row-count switch below is preprocessed by it) */
-#if USE_AVX2 && defined(__AVX512F__)
-#define MB 12       /* 12 rows x 2 zmm accumulators = 24 of 32 registers */
+#define MB PANEL_MB  /* x rows one pass over a panel serves */
+#if PANEL_MB > 3
 #define MAX_ROWS 512
 #else
-#define MB 3        /* 3 rows x 4 ymm accumulators = 12 of 16 registers */
 #define MAX_ROWS 16
 #endif
 
@@ -59,55 +56,6 @@ void kvpilot_pack_panels_f32(const float *w, int64_t w_stride, int N, int K, flo
     }
 }
 
-/* acc[m][0..PANEL) = sum_k x[m][k] * panel[k][0..PANEL) for mb <= MB rows. `mb` is a constant at each
- * call site below, so the compiler drops the unused rows' registers and branches. */
-#if USE_AVX2 && defined(__AVX512F__)
-static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t xs, const int mb,
-                                                             const float *wp, int K, float *out) {
-    __m512 acc[MB][2];
-    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int k = 0; k < K; k++) {
-        const __m512 w0 = _mm512_loadu_ps(wp + (int64_t)k * PANEL), w1 = _mm512_loadu_ps(wp + (int64_t)k * PANEL + 16);
-        for (int m = 0; m < mb; m++) {
-            const __m512 b = _mm512_set1_ps(x[(int64_t)m * xs + k]);
-            acc[m][0] = _mm512_fmadd_ps(b, w0, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(b, w1, acc[m][1]);
-        }
-    }
-    for (int m = 0; m < mb; m++) {
-        _mm512_storeu_ps(out + m * PANEL, acc[m][0]);
-        _mm512_storeu_ps(out + m * PANEL + 16, acc[m][1]);
-    }
-}
-#elif USE_AVX2
-static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t xs, const int mb,
-                                                             const float *wp, int K, float *out) {
-    __m256 acc[MB][4];
-    for (int m = 0; m < MB; m++)
-        for (int j = 0; j < 4; j++) acc[m][j] = _mm256_setzero_ps();
-    for (int k = 0; k < K; k++) {
-        __m256 b[MB];
-        for (int m = 0; m < mb; m++) b[m] = _mm256_set1_ps(x[(int64_t)m * xs + k]);
-        for (int j = 0; j < 4; j++) {
-            const __m256 w = _mm256_loadu_ps(wp + (int64_t)k * PANEL + 8 * j);
-            for (int m = 0; m < mb; m++) acc[m][j] = _mm256_fmadd_ps(b[m], w, acc[m][j]);
-        }
-    }
-    for (int m = 0; m < mb; m++)
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + m * PANEL + 8 * j, acc[m][j]);
-}
-#else
-static inline void panel_rows(const float *x, int64_t xs, const int mb, const float *wp, int K, float *out) {
-    for (int m = 0; m < mb; m++)
-        for (int j = 0; j < PANEL; j++) out[m * PANEL + j] = 0.0f;
-    for (int k = 0; k < K; k++)
-        for (int m = 0; m < mb; m++) {
-            const float b = x[(int64_t)m * xs + k];
-            for (int j = 0; j < PANEL; j++) out[m * PANEL + j] += b * wp[(int64_t)k * PANEL + j];
-        }
-}
-#endif
-
 static void panel_share(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t ys,
                         int M, int N, int K, int p_lo, int p_hi) {
     float out[MB * PANEL];
@@ -117,15 +65,7 @@ static void panel_share(const float *x, int64_t xs, const float *wp, const float
         for (int m0 = 0; m0 < M; m0 += MB) {
             const int mb = M - m0 < MB ? M - m0 : MB;
             const float *xm = x + (int64_t)m0 * xs;
-            switch (mb) {  /* one specialised copy per row count */
-#define ROWS(c) case c: panel_rows(xm, xs, c, panel, K, out); break;
-                ROWS(1) ROWS(2) ROWS(3)
-#if MB > 3
-                ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
-#endif
-#undef ROWS
-                default: break;
-            }
+            panel_rows_n(xm, xs, mb, panel, K, out, PANEL, NULL);
             for (int m = 0; m < mb; m++) {
                 float *dst = y + (int64_t)(m0 + m) * ys + n0;
                 if (bias) {

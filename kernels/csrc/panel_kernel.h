@@ -1,0 +1,103 @@
+/* The register-tiled product the GEMM-shaped kernels share (small_gemm_cpu.c, paged_prefill_cpu.c):
+ * up to PANEL_MB rows of x times one panel of PANEL columns, stored K consecutive runs of PANEL floats.
+ *
+ * For each k, PANEL weights are loaded once and multiplied by the broadcast x[m][k] of every row, all
+ * accumulated in registers (no horizontal sums): on AVX-512 12 rows x 2 zmm = 24 of 32 registers, on
+ * AVX2 3 rows x 4 ymm = 12 of 16, and a plain loop elsewhere. Include after cpu_simd.h.
+ */
+#ifndef KVPILOT_PANEL_KERNEL_H
+#define KVPILOT_PANEL_KERNEL_H
+
+#include <stdint.h>
+
+#include "cpu_simd.h"
+
+enum { PANEL = 32 };
+
+/* macros, not an enum: the row-count switches below are preprocessed by them */
+#if USE_AVX2 && defined(__AVX512F__)
+#define PANEL_MB 12
+#else
+#define PANEL_MB 3
+#endif
+
+/* out[m * os + j] = (scale ? out[m * os + j] * scale[m] : 0) + sum_{k < K} x[m * xs + k] * wp[k * PANEL + j]
+ * for m < mb <= PANEL_MB and j < PANEL. `mb` is a constant at each call site (see panel_rows_n), so the
+ * compiler drops the unused rows' registers and branches. */
+#if USE_AVX2 && defined(__AVX512F__)
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t xs, const int mb,
+                                                             const float *wp, int K, float *out, int64_t os,
+                                                             const float *scale) {
+    __m512 acc[PANEL_MB][2];
+    for (int m = 0; m < mb; m++) {
+        if (scale) {
+            const __m512 c = _mm512_set1_ps(scale[m]);
+            acc[m][0] = _mm512_mul_ps(_mm512_loadu_ps(out + m * os), c);
+            acc[m][1] = _mm512_mul_ps(_mm512_loadu_ps(out + m * os + 16), c);
+        } else {
+            acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+        }
+    }
+    for (int k = 0; k < K; k++) {
+        const __m512 w0 = _mm512_loadu_ps(wp + (int64_t)k * PANEL), w1 = _mm512_loadu_ps(wp + (int64_t)k * PANEL + 16);
+        for (int m = 0; m < mb; m++) {
+            const __m512 b = _mm512_set1_ps(x[(int64_t)m * xs + k]);
+            acc[m][0] = _mm512_fmadd_ps(b, w0, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(b, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        _mm512_storeu_ps(out + m * os, acc[m][0]);
+        _mm512_storeu_ps(out + m * os + 16, acc[m][1]);
+    }
+}
+#elif USE_AVX2
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t xs, const int mb,
+                                                             const float *wp, int K, float *out, int64_t os,
+                                                             const float *scale) {
+    __m256 acc[PANEL_MB][4];
+    for (int m = 0; m < mb; m++) {
+        const __m256 c = _mm256_set1_ps(scale ? scale[m] : 0.0f);
+        for (int j = 0; j < 4; j++)
+            acc[m][j] = scale ? _mm256_mul_ps(_mm256_loadu_ps(out + m * os + 8 * j), c) : _mm256_setzero_ps();
+    }
+    for (int k = 0; k < K; k++) {
+        __m256 b[PANEL_MB];
+        for (int m = 0; m < mb; m++) b[m] = _mm256_set1_ps(x[(int64_t)m * xs + k]);
+        for (int j = 0; j < 4; j++) {
+            const __m256 w = _mm256_loadu_ps(wp + (int64_t)k * PANEL + 8 * j);
+            for (int m = 0; m < mb; m++) acc[m][j] = _mm256_fmadd_ps(b[m], w, acc[m][j]);
+        }
+    }
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + m * os + 8 * j, acc[m][j]);
+}
+#else
+static inline void panel_rows(const float *x, int64_t xs, const int mb, const float *wp, int K, float *out,
+                              int64_t os, const float *scale) {
+    for (int m = 0; m < mb; m++)
+        for (int j = 0; j < PANEL; j++) out[m * os + j] = scale ? out[m * os + j] * scale[m] : 0.0f;
+    for (int k = 0; k < K; k++)
+        for (int m = 0; m < mb; m++) {
+            const float b = x[(int64_t)m * xs + k];
+            for (int j = 0; j < PANEL; j++) out[m * os + j] += b * wp[(int64_t)k * PANEL + j];
+        }
+}
+#endif
+
+/* panel_rows for any mb in [1, PANEL_MB]: one specialised copy per row count. */
+static inline void panel_rows_n(const float *x, int64_t xs, int mb, const float *wp, int K, float *out, int64_t os,
+                                const float *scale) {
+    switch (mb) {
+#define PANEL_ROWS_CASE(c) case c: panel_rows(x, xs, c, wp, K, out, os, scale); break;
+        PANEL_ROWS_CASE(1) PANEL_ROWS_CASE(2) PANEL_ROWS_CASE(3)
+#if PANEL_MB > 3
+        PANEL_ROWS_CASE(4) PANEL_ROWS_CASE(5) PANEL_ROWS_CASE(6) PANEL_ROWS_CASE(7) PANEL_ROWS_CASE(8)
+        PANEL_ROWS_CASE(9) PANEL_ROWS_CASE(10) PANEL_ROWS_CASE(11) PANEL_ROWS_CASE(12)
+#endif
+#undef PANEL_ROWS_CASE
+        default: break;
+    }
+}
+
+#endif
