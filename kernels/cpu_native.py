@@ -183,7 +183,8 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
         fn.argtypes = argtypes
         fn.restype = None
         _row_fns[name] = fn
-    for name in ("panel_width", "panel_gemm_max_rows"):  # constants of the build, read once here
+    for name in ("panel_width", "panel_gemm_max_rows", "prefill_max_group", "prefill_max_head_dim"):
+        # constants of the build, read once here
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = []
         fn.restype = i32
@@ -401,9 +402,6 @@ def paged_decode(
         raise RuntimeError("paged_decode could not start its threads")
 
 
-_PREFILL_MAX_HEAD_DIM = 512  # MAX_HEAD_DIM in paged_prefill_cpu.c
-
-
 def paged_prefill(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -417,9 +415,9 @@ def paged_prefill(
 ) -> None:
     """Fill ``out`` rows of every sequence with more than one query token this step (prompt chunks,
     causal from position ``context_len - q_len``); other rows untouched."""
-    if query.shape[1] // k_cache.shape[2] > 16 or query.shape[2] > _PREFILL_MAX_HEAD_DIM:
-        # the kernel serves at most 16 query heads per kv head and head dims up to its row buffers';
-        # other shapes go to SDPA
+    if (query.shape[1] // k_cache.shape[2] > _build_constant("prefill_max_group")
+            or query.shape[2] > _build_constant("prefill_max_head_dim")):
+        # wider groups of query heads per kv head, or longer heads, than the kernel takes go to SDPA
         reference.attend_prefill_chunks(query, k_cache, v_cache, block_tables, context_lens.long(),
                                         query_start_loc.long(), scale, sliding_window, out)
         return

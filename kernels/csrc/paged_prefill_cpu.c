@@ -39,7 +39,8 @@
 
 enum { KV_F32 = 0, KV_F16 = 1 };
 enum { KT = 2 * PANEL };  /* keys per tile: two panels of the score product */
-enum { MAX_HEAD_DIM = 512 };  /* longer heads go to SDPA (cpu_native.paged_prefill) */
+/* the shapes this kernel takes (cpu_native.paged_prefill sends others to SDPA) */
+enum { MAX_GROUP = 16, MAX_HEAD_DIM = 512 };
 
 /* a V tile's width: head dims padded to whole panels (the padding stays 0) */
 static inline int padded_dim(int d) { return (d + PANEL - 1) / PANEL * PANEL; }
@@ -47,7 +48,7 @@ static inline int padded_dim(int d) { return (d + PANEL - 1) / PANEL * PANEL; }
 /* Query positions per task: G*QT rows share each key tile. Long chunks take wider tasks: a task
  * streams all the keys it sees through the cache, and from ~512 of them they no longer stay in L2. */
 enum { QT = 32, QT_LONG = 64, LONG_CHUNK = 512 };
-enum { MAX_ROWS = 16 * QT_LONG };  /* up to 16 query heads per kv head */
+enum { MAX_ROWS = MAX_GROUP * QT_LONG };
 
 typedef struct {
     const float *q;
@@ -90,11 +91,12 @@ static void load_tile(const prefill_t *p, const chunk_t *c, int kvh, int tile, f
         float *kcol = kp + (int64_t)(j / PANEL) * D * PANEL + j % PANEL;
         if (pos >= c->ctx) {
             for (int d = 0; d < D; d++) kcol[(int64_t)d * PANEL] = 0.0f;
-            for (int d0 = 0; d0 < DP; d0 += PANEL) memset(vp + (int64_t)d0 * KT + (int64_t)j * PANEL, 0, sizeof(float) * PANEL);
+            for (int d0 = 0; d0 < DP; d0 += PANEL)
+                memset(vp + (int64_t)d0 * KT + (int64_t)j * PANEL, 0, sizeof(float) * PANEL);
             continue;
         }
         const int64_t index = ((int64_t)table[pos / BS] * BS + pos % BS) * KVH * D + (int64_t)kvh * D;
-        const float *kr = (const float *)p->k_cache + index, *vr = (const float *)p->v_cache + index;
+        const float *kr = krow, *vr = vrow;
 #if HAVE_F16
         if (p->kv_type == KV_F16) {
             const _Float16 *kh = (const _Float16 *)p->k_cache + index, *vh = (const _Float16 *)p->v_cache + index;
@@ -106,9 +108,11 @@ static void load_tile(const prefill_t *p, const chunk_t *c, int kvh, int tile, f
             }
 #endif
             for (; d < D; d++) krow[d] = (float)kh[d], vrow[d] = (float)vh[d];
-            kr = krow, vr = vrow;
-        }
+        } else
 #endif
+        {
+            kr = (const float *)p->k_cache + index, vr = (const float *)p->v_cache + index;
+        }
         for (int d = 0; d < D; d++) kcol[(int64_t)d * PANEL] = kr[d];
         for (int d0 = 0; d0 < DP; d0 += PANEL) {
             float *dst = vp + (int64_t)d0 * KT + (int64_t)j * PANEL;
@@ -199,7 +203,8 @@ static void run_task(const prefill_t *p, const chunk_t *c, const task_t *t, cons
     const int64_t tile_floats = (int64_t)KT * (D + DP);
     const int first = lo[0] / KT, last = pos[rows - 1] / KT;
     for (int tile = first; tile <= last; tile++) {
-        const float *kp = scratch + c->scratch + ((int64_t)t->kvh * c->num_tiles + (tile - c->first_tile)) * tile_floats;
+        const int64_t tile_index = (int64_t)t->kvh * c->num_tiles + (tile - c->first_tile);
+        const float *kp = scratch + c->scratch + tile_index * tile_floats;
         const float *vp = kp + (int64_t)KT * D;
         const int k0 = tile * KT;
         int r0 = 0;
@@ -246,7 +251,7 @@ static int by_cost_desc(const void *a, const void *b) {
 /* Returns 0, -1 when memory ran out (nothing computed), -2 for a shape this kernel does not take. */
 static int paged_prefill(const prefill_t *p, int num_seqs, int num_threads) {
     const int H = p->num_heads, KVH = p->num_kv_heads, D = p->head_dim;
-    if (KVH <= 0 || H % KVH || H / KVH > 16 || D <= 0 || D > MAX_HEAD_DIM || p->block_size <= 0) return -2;
+    if (KVH <= 0 || H % KVH || H / KVH > MAX_GROUP || D <= 0 || D > MAX_HEAD_DIM || p->block_size <= 0) return -2;
     const int64_t tile_floats = (int64_t)KT * (D + padded_dim(D));
     const int G = H / KVH;
     int num_chunks = 0, num_tasks = 0;
@@ -311,6 +316,10 @@ static int paged_prefill(const prefill_t *p, int num_seqs, int num_threads) {
     free(scratch), free(chunks), free(tasks);
     return 0;
 }
+
+/* The shape limits above, for the Python side to route other shapes to SDPA before calling. */
+int kvpilot_prefill_max_group(void) { return MAX_GROUP; }
+int kvpilot_prefill_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 #define PREFILL_PARAMS                                                                                       \
     int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,            \

@@ -10,13 +10,13 @@
  * So the weight is repacked once, at load, into panels of PANEL output columns: panel p holds columns
  * [p * PANEL, (p + 1) * PANEL) as K consecutive runs of PANEL floats ([panels][K][PANEL], the last panel
  * zero-padded). One panel is then one sequential stream, and the product is an outer-product kernel:
- * for each k, PANEL weights times the broadcast x[m][k] of each of up to MB rows, accumulated in
+ * for each k, PANEL weights times the broadcast x[m][k] of each of up to PANEL_MB rows, accumulated in
  * registers (no horizontal sums). Measured the same way: 12-19 ms per pass at 1-8 rows where the
  * row-major kernel took 25-39 ms; on AVX-512, 196-213 GFLOP/s at 64-512 rows over 30 layers' weights,
  * against oneDNN's packed GEMM at 145-198, and level with it from 768 rows (hence the row limit there).
  *
  * Threads split the panels into contiguous shares, so that each streams one range of the weight. More
- * rows than MB go in groups over the same panel, which the first group has brought into L2.
+ * rows than PANEL_MB go in groups over the same panel, which the first group has brought into L2.
  */
 #include <stdint.h>
 #include <string.h>
@@ -27,7 +27,6 @@
 #include "cpu_simd.h"
 #include "panel_kernel.h"
 
-#define MB PANEL_MB  /* x rows one pass over a panel serves */
 #if PANEL_MB > 3
 #define MAX_ROWS 512
 #else
@@ -58,12 +57,12 @@ void kvpilot_pack_panels_f32(const float *w, int64_t w_stride, int N, int K, flo
 
 static void panel_share(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t ys,
                         int M, int N, int K, int p_lo, int p_hi) {
-    float out[MB * PANEL];
+    float out[PANEL_MB * PANEL];
     for (int p = p_lo; p < p_hi; p++) {
         const float *panel = wp + (int64_t)p * K * PANEL;
         const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int mb = M - m0 < MB ? M - m0 : MB;
+        for (int m0 = 0; m0 < M; m0 += PANEL_MB) {
+            const int mb = M - m0 < PANEL_MB ? M - m0 : PANEL_MB;
             const float *xm = x + (int64_t)m0 * xs;
             panel_rows_n(xm, xs, mb, panel, K, out, PANEL, NULL);
             for (int m = 0; m < mb; m++) {
