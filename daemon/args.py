@@ -148,11 +148,10 @@ _SERVER_FLAGS = (
         "action": argparse.BooleanOptionalAction, "default": None, "help": "do not write the per-request log line"}),
     _Flag("ready_before_kv_cache_mapped", "server", {
         "action": argparse.BooleanOptionalAction, "default": None,
-        "help": "on the CPU, report ready once the model has loaded, while the KV cache's pages are still being "
-                "mapped in on an idle-priority thread. Default: ready once they are, since the first requests "
-                "would share the cores with that work. Measured on a 2-core VM whose host backs memory on "
-                "first touch (1 GiB: ready 3.5-3.7 s after launch this way, 5.5-13 s waiting): at 2 req/s from "
-                "the start, TTFT p50 1.0-2.3 s this way against 0.7-0.8 s"}),
+        "help": "on the CPU, report ready once the model has loaded, before any of the KV cache's pages are "
+                "mapped in. Default: ready once the blocks of two full token budgets are (the blocks the "
+                "first steps are handed), so those steps run at full speed; either way the rest maps in "
+                "on a background thread only while no request is in hand"}),
     _Flag("enable_auto_tool_choice", "server", {
         "action": argparse.BooleanOptionalAction, "default": None,
         "help": "allow tool_choice 'auto' (the default when tools are given): calls are parsed out of the "

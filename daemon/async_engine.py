@@ -27,6 +27,11 @@ from .errors import EngineDead, EngineNotReady, EngineQueueFull
 
 log = logging.getLogger("kvpilot.daemon.engine_loop")
 
+# Before it reports ready, a server waits for the KV blocks of this many full token budgets to be mapped
+# in: what the first steps are handed, so they run at full speed. Waiting for the whole cache made the
+# start grow with its size (8 s per fresh GiB on some VMs).
+_READY_MAPPED_BUDGETS = 2
+
 
 class EngineState(enum.Enum):
     LOADING = "loading"
@@ -51,7 +56,8 @@ class Engine(Protocol):
     def step(self) -> list[RequestOutput]: ...
     def get_stats(self) -> Any: ...
     def warmup(self) -> None: ...
-    def wait_for_kv_cache_mapped(self) -> None: ...
+    def wait_for_kv_cache_mapped(self, num_blocks: int | None = None) -> None: ...
+    def pause_kv_cache_mapping_while(self, busy: Callable[[], bool]) -> None: ...
 
 
 class EngineMetrics(Protocol):
@@ -330,25 +336,25 @@ class AsyncEngine:
             from .engine import LLMEngine
 
             factory = LLMEngine
-        from .engine import host_malloc
-
-        if self.ready_before_kv_cache_mapped:
-            host_malloc.populate_at_idle_priority()  # requests come first: the KV pages map in on idle cores
         engine = factory(self.config)
         engine.warmup()
-        if not self.ready_before_kv_cache_mapped:
-            # Ready means full speed. On a VM whose host backs guest memory on first touch, mapping a
-            # fresh GiB takes seconds, and while it runs beside requests their steps ran up to 2x slower
-            # (see the flag's help).
-            started = time.monotonic()
-            engine.wait_for_kv_cache_mapped()
-            log.info("KV cache mapped in; waited %.1f s after the model loaded", time.monotonic() - started)
-        stats = engine.get_stats()
-        self.stats = stats
-        try:
+        # The rest of the KV cache maps in only while no request is in hand: beside steps, on a VM whose
+        # host backs guest memory on first touch, that work slowed them up to 2x (see PagePopulation).
+        engine.pause_kv_cache_mapping_while(lambda: bool(self._cmds) or engine.has_unfinished_requests())
+        try:  # before the wait below, which leaves the GIL free: 0.2 s for SmolLM2's tokenizer
             tokenizer = copy.deepcopy(engine.tokenizer)
         except Exception:  # some tokenizers do not deep-copy; sharing read-only encode is still fine
             tokenizer = engine.tokenizer
+        if not self.ready_before_kv_cache_mapped:
+            # Ready means full speed: the blocks the first steps are handed are mapped in by then.
+            started = time.monotonic()
+            num_blocks = -(-_READY_MAPPED_BUDGETS * self.config.max_num_batched_tokens // self.config.block_size)
+            engine.wait_for_kv_cache_mapped(num_blocks)
+            if (waited := time.monotonic() - started) >= 0.05:  # nothing to wait for on a GPU
+                log.info("KV cache's first %d blocks mapped in; waited %.1f s after the model loaded",
+                         num_blocks, waited)
+        stats = engine.get_stats()
+        self.stats = stats
         info = {
             "tokenizer": tokenizer,
             "model_name": engine.model_name,

@@ -1,4 +1,4 @@
-"""The KV cache's pages are mapped in on a background thread (host_malloc.populate_in_background),
+"""The KV cache's pages are mapped in on a background thread (host_malloc.PagePopulation),
 checked with mincore(2): what the kernel reports resident, not what the code believes it did."""
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def test_populate_maps_every_page_and_keeps_contents(monkeypatch: pytest.MonkeyP
     before = [resident_pages(b.ctypes.data, b.nbytes) for b in bufs]
     assert all(res < total // 2 for res, total in before), before  # fresh: mostly not mapped yet
 
-    thread = host_malloc.populate_in_background([(b.ctypes.data, b.nbytes) for b in bufs])
-    assert thread is not None
+    population = host_malloc.PagePopulation.start([(b.ctypes.data, b.nbytes) for b in bufs])
+    assert population is not None
     bufs[1][-1] = 9  # written while it runs
-    thread.join(timeout=60)
-    assert not thread.is_alive()
+    assert population.wait(timeout=60)
+    assert population.done and population.mapped_bytes == 40 << 20
 
     for b in bufs:
         res, total = resident_pages(b.ctypes.data, b.nbytes)
@@ -63,11 +63,40 @@ def test_populate_maps_every_page_and_keeps_contents(monkeypatch: pytest.MonkeyP
 def test_populate_off_by_env_or_when_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPILOT_POPULATE_KV", "0")
     buf = fresh_zeros(8 << 20)
-    assert host_malloc.populate_in_background([(buf.ctypes.data, buf.nbytes)]) is None
+    assert host_malloc.PagePopulation.start([(buf.ctypes.data, buf.nbytes)]) is None
     res, total = resident_pages(buf.ctypes.data, buf.nbytes)
     assert res < total // 2
     monkeypatch.delenv("KVPILOT_POPULATE_KV")
-    assert host_malloc.populate_in_background([]) is None
+    assert host_malloc.PagePopulation.start([]) is None
+
+
+def test_population_maps_the_lowest_offsets_first_and_pauses_while_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A server waits for the first blocks only, then maps the rest in its idle time: wait(n) must mean
+    # the first n bytes of every buffer, and a busy engine must hold the thread back.
+    monkeypatch.delenv("KVPILOT_POPULATE_KV", raising=False)
+    bufs = [fresh_zeros(256 << 20), fresh_zeros(256 << 20)]
+    busy = True
+    population = host_malloc.PagePopulation.start([(b.ctypes.data, b.nbytes) for b in bufs])
+    assert population is not None
+    assert population.wait(4 << 20, timeout=60)
+    population.pause_while(lambda: busy)
+    for b in bufs:
+        res, total = resident_pages(b.ctypes.data, 4 << 20)
+        assert res == total, (res, total)
+    time.sleep(0.05)  # a chunk under way when the pause came may still finish
+    held = population.mapped_bytes
+    resident = [resident_pages(b.ctypes.data, b.nbytes)[0] for b in bufs]
+    time.sleep(0.5)
+    if held == 256 << 20:
+        pytest.skip("the population finished before it could be paused")
+    assert population.mapped_bytes == held and not population.done
+    assert [resident_pages(b.ctypes.data, b.nbytes)[0] for b in bufs] == resident
+    assert all(r < (256 << 20) // PAGE for r in resident), resident
+    busy = False
+    assert population.wait(timeout=60)
+    for b in bufs:
+        res, total = resident_pages(b.ctypes.data, b.nbytes)
+        assert res == total, (res, total)
 
 
 def test_engine_kv_cache_is_resident_after_start(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,8 +105,8 @@ def test_engine_kv_cache_is_resident_after_start(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("KVPILOT_POPULATE_KV", "1")
     llm = LLM(model="builtin://smollm2-135m", num_kv_blocks=512)
     runner = llm.engine.runner
-    assert runner._populate_thread is not None  # noqa: SLF001
-    runner._populate_thread.join(timeout=60)  # noqa: SLF001
+    assert runner.kv_population is not None
+    assert runner.kv_population.wait(timeout=60)
     caches = runner.k_caches + runner.v_caches
     assert len(caches) == 2 * runner.num_layers
     for t in caches:
@@ -87,58 +116,55 @@ def test_engine_kv_cache_is_resident_after_start(monkeypatch: pytest.MonkeyPatch
     assert out[0].outputs[0].token_ids
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
-def test_a_server_populates_at_idle_priority(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KVPILOT_POPULATE_KV", raising=False)
-    monkeypatch.setattr(host_malloc, "_idle_priority", threading.Event())  # this test's switch only
-    buf = fresh_zeros(512 << 20)  # big enough to watch the thread run: fresh pages map in at ~GB/s at best
-    host_malloc.populate_at_idle_priority()
-    thread = host_malloc.populate_in_background([(buf.ctypes.data, buf.nbytes)])
-    assert thread is not None
-    seen: set[int] = set()
-    while thread.is_alive():
-        try:
-            seen.add(os.sched_getscheduler(thread.native_id))
-        except OSError:  # it ended between the two calls
-            break
-    thread.join(timeout=60)
-    if not seen:
-        pytest.skip("the population finished before its policy could be read")
-    # it lowers itself before its first chunk; an offline run's thread (the test above) keeps SCHED_OTHER
-    assert seen <= {os.SCHED_IDLE, os.SCHED_OTHER} and os.SCHED_IDLE in seen, seen
-    res, total = resident_pages(buf.ctypes.data, buf.nbytes)
-    assert res == total, (res, total)  # at idle priority, on a quiet test machine, it still finishes
-
-
 @pytest.mark.parametrize("ready_before_mapped", [False, True])
-async def test_a_server_is_ready_once_its_kv_cache_is_mapped(monkeypatch: pytest.MonkeyPatch,
-                                                               ready_before_mapped: bool) -> None:
-    # Readiness means full speed: by default the daemon reports ready only after the population has
-    # finished; --ready-before-kv-cache-mapped reports it as soon as the model is loaded. The real
-    # population runs, only held back a while, so that the order of the two is visible on any host.
+async def test_a_server_is_ready_once_its_first_kv_blocks_are_mapped(monkeypatch: pytest.MonkeyPatch,
+                                                                    ready_before_mapped: bool) -> None:
+    # Readiness means full speed: by default the daemon reports ready once the blocks of two token
+    # budgets are mapped in, which its first steps are handed; --ready-before-kv-cache-mapped reports it
+    # as soon as the model is loaded. The real population runs, only held back a while, so that the
+    # order of the two is visible on any host. The rest maps in only while the server is idle.
     from kvpilot.daemon.async_engine import AsyncEngine
+    from kvpilot.daemon.engine import LLMEngine
     from kvpilot.daemon.engine.config import EngineConfig
 
     monkeypatch.delenv("KVPILOT_POPULATE_KV", raising=False)
     monkeypatch.setenv("KVPILOT_NUM_THREADS", "1")
-    monkeypatch.setattr(host_malloc, "_idle_priority", threading.Event())  # this test's switch only
-    mapped = threading.Event()
-    real_populate = host_malloc._populate
+    real_run = host_malloc.PagePopulation._run
+    release = threading.Event()
 
-    def slow_populate(ranges: list[tuple[int, int]]) -> None:
-        time.sleep(3.0)
-        real_populate(ranges)
-        mapped.set()
+    def held_run(self: host_malloc.PagePopulation) -> None:
+        release.wait(60)
+        real_run(self)
 
-    monkeypatch.setattr(host_malloc, "_populate", slow_populate)
-    engine = AsyncEngine(EngineConfig(max_num_seqs=2, kv_cache_memory=32 << 20),
-                         ready_before_kv_cache_mapped=ready_before_mapped)
+    monkeypatch.setattr(host_malloc.PagePopulation, "_run", held_run)
+    if not ready_before_mapped:
+        threading.Timer(3.0, release.set).start()  # the server must wait for it
+    built: list[LLMEngine] = []
+
+    def factory(config: EngineConfig) -> LLMEngine:
+        built.append(LLMEngine(config))
+        return built[-1]
+
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, kv_cache_memory=64 << 20)
+    engine = AsyncEngine(config, ready_before_kv_cache_mapped=ready_before_mapped, engine_factory=factory)
+    started = time.monotonic()
     await engine.start()
+    waited = time.monotonic() - started
+    population = built[0].runner.kv_population
+    assert population is not None
     try:
         assert engine.ready
-        assert mapped.is_set() is not ready_before_mapped
-        assert host_malloc._idle_priority.is_set() is ready_before_mapped  # idle priority only beside requests
+        first_blocks = 2 * 256 // config.block_size * built[0].runner.k_caches[0][0].nbytes
+        if ready_before_mapped:
+            assert population.mapped_bytes == 0
+        else:
+            assert waited >= 3.0 and population.mapped_bytes >= first_blocks
+        assert population._busy is not None and not population._busy()  # noqa: SLF001 - idle: maps on
+        engine._cmds.append(object())  # noqa: SLF001 - a command in hand counts as busy
+        assert population._busy()  # noqa: SLF001
+        engine._cmds.clear()  # noqa: SLF001
     finally:
+        release.set()
         await engine.shutdown()
-    await asyncio.to_thread(mapped.wait, 30)
-    assert mapped.is_set()
+    assert await asyncio.to_thread(population.wait, None, 30)
+    assert population.done

@@ -1,6 +1,5 @@
 """Host memory for CPU inference: glibc malloc settings that keep freed activation buffers instead of
-unmapping them, and ``populate_in_background`` for the KV cache's fresh pages (see there; a server
-waits for it before it reports ready, or calls ``populate_at_idle_priority`` first).
+unmapping them, and ``PagePopulation`` for the KV cache's fresh pages (see there).
 
 A forward pass allocates activations of up to tens of MiB per op (a 2048-token chunk's gate/up output
 is 24 MiB). glibc serves blocks that large with a fresh mmap and unmaps them on free, so every op
@@ -15,12 +14,13 @@ activation memory after a burst.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -59,63 +59,89 @@ def keep_freed_memory() -> bool:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
-_POPULATE_CHUNK = 1 << 20
+_POPULATE_CHUNK = 512 << 10  # per buffer and call: 1-4 ms on a host that backs memory on first touch
+_PAUSED_POLL_S = 0.005
 
 
-_idle_priority = threading.Event()
-
-
-def populate_at_idle_priority() -> None:
-    """Population threads run under SCHED_IDLE from now on (one already running switches at its next
-    chunk): only on a core nothing else wants. For a server that reports ready before the population
-    has finished (``--ready-before-kv-cache-mapped``), whose first requests would otherwise share the
-    cores with it. Measured on 2 cores, requests every 2 s from the start: the first five requests'
-    first tokens took 1.8-3.4 s with the population at normal priority and 0.3-0.9 s at idle priority.
-    Idle priority is still not free where the host backs guest memory on first touch: at 2 req/s from
-    the start the first requests' steps ran up to 2x slower, hence a server's default of waiting.
-    Offline runs keep normal priority: there the population overlapping the first steps is the point
-    (96 requests: 41 s against 44-49 s at idle priority, where the steps fault the pages in themselves)."""
-    _idle_priority.set()
-
-
-def _populate(ranges: list[tuple[int, int]]) -> None:
-    madvise = _libc_function("madvise")
-    if madvise is None:
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = os.sysconf("SC_PAGE_SIZE")
-    # madvise wants a page-aligned start (a partial head page is left to map in on use)
-    spans = [(start, address + nbytes) for address, nbytes in ranges
-             if (start := -(-address // page) * page) < address + nbytes]
-    # the same offsets of every buffer together, lowest first: the KV cache hands out low block ids
-    # first, and a block is used in every layer's cache at once
-    longest = max((end - start for start, end in spans), default=0)
-    lowered = False
-    for offset in range(0, longest, _POPULATE_CHUNK):
-        if not lowered and _idle_priority.is_set():
-            lowered = True
-            with contextlib.suppress(AttributeError, OSError):  # no SCHED_IDLE here: stay as it is
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
-        for start, end in spans:
-            lo = start + offset
-            if lo < end and madvise(lo, min(_POPULATE_CHUNK, end - lo), _MADV_POPULATE_WRITE) != 0:
-                logger.debug("MADV_POPULATE_WRITE refused (errno %d); pages map in on first use", ctypes.get_errno())
-                return
-
-
-def populate_in_background(ranges: list[tuple[int, int]]) -> threading.Thread | None:
-    """Map in the pages of freshly allocated buffers (``(address, bytes)`` each) on a background thread.
+class PagePopulation:
+    """Maps in the pages of freshly allocated buffers (``(address, bytes)`` each) on a background thread.
 
     Why: the CPU KV cache is fresh zero pages, and without this every 4 KiB of it page-faults on first
-    use, inside a step's KV store. On a VM whose memory the hypervisor backs lazily that is 2-4 s per
-    GiB (3.4 s of a 48 s benchmark run, measured here), which writing the pages at start would add to
-    the start instead. ``MADV_POPULATE_WRITE`` maps them without writing their contents, so steps may
-    fill the same pages meanwhile; ctypes drops the GIL for the call, so the thread only costs a core
-    while it runs. None where there is nothing to do or ``KVPILOT_POPULATE_KV=0``; older kernels refuse
-    the advice and the pages then map in on first use, as before.
+    use, inside a step's KV store. On a VM whose host backs guest memory on first touch that costs
+    3-8 s per fresh GiB (measured on 2-core Firecracker VMs), which writing the pages at start would add
+    to the start instead. ``MADV_POPULATE_WRITE`` maps them without writing their contents, so steps
+    may fill the same pages meanwhile; ctypes drops the GIL for the call.
+
+    The same offsets of every buffer map in together, lowest first: the KV cache hands out low block
+    ids first, and a block lives at the same offset of every layer's cache. ``wait(nbytes)`` returns
+    once the first ``nbytes`` of every buffer are mapped, so a server can report ready after the blocks
+    its first steps use. ``pause_while(busy)`` then keeps the rest off the cores while ``busy()`` holds:
+    beside a step it slowed that step up to 2x on such a VM even at idle priority, where a step that
+    touches a block not yet mapped pays only for that block.
     """
-    if not ranges or os.environ.get("KVPILOT_POPULATE_KV", "").strip() == "0":
-        return None
-    thread = threading.Thread(target=_populate, args=(ranges,), name="kvpilot-kv-populate", daemon=True)
-    thread.start()
-    return thread
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        # madvise wants page-aligned addresses: each buffer from its first whole page (a partial head
+        # page maps in on first use, and counts as mapped: offsets below are from the aligned start,
+        # which lies at most a page above the buffer's own)
+        self._spans = [(start, address + nbytes) for address, nbytes in ranges
+                       if (start := -(-address // page) * page) < address + nbytes]
+        self._longest = max((end - start for start, end in self._spans), default=0)
+        self._mapped = 0  # bytes from the start of every buffer that are mapped in
+        self._done = False
+        self._busy: Callable[[], bool] | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvpilot-kv-populate", daemon=True)
+
+    @classmethod
+    def start(cls, ranges: list[tuple[int, int]]) -> PagePopulation | None:
+        """A running population; None where there is nothing to map or ``KVPILOT_POPULATE_KV=0``. Older
+        kernels refuse the advice: the thread then ends and the pages map in on first use, as before."""
+        if not ranges or os.environ.get("KVPILOT_POPULATE_KV", "").strip() == "0":
+            return None
+        population = cls(ranges)
+        population._thread.start()
+        return population
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes from the start of every buffer mapped in so far."""
+        return self._mapped
+
+    def pause_while(self, busy: Callable[[], bool] | None) -> None:
+        """From the next chunk on, map only while ``busy()`` is false (None: always)."""
+        self._busy = busy
+
+    def wait(self, nbytes: int | None = None, timeout: float | None = None) -> bool:
+        """Block until the first ``nbytes`` of every buffer (None: all) are mapped; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self._done or (nbytes is not None and self._mapped >= nbytes), timeout)
+
+    def _run(self) -> None:
+        try:
+            madvise = _libc_function("madvise")
+            if madvise is None:
+                return
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            for offset in range(0, self._longest, _POPULATE_CHUNK):
+                while (busy := self._busy) is not None and busy():
+                    time.sleep(_PAUSED_POLL_S)
+                for start, end in self._spans:
+                    lo = start + offset
+                    if lo < end and madvise(lo, min(_POPULATE_CHUNK, end - lo), _MADV_POPULATE_WRITE) != 0:
+                        logger.debug("MADV_POPULATE_WRITE refused (errno %d); pages map in on first use",
+                                     ctypes.get_errno())
+                        return
+                with self._cond:
+                    self._mapped = min(offset + _POPULATE_CHUNK, self._longest)
+                    self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +16,7 @@ from .input_processor import InputLimits, InputProcessor
 from .loader import LoadedModel, load_model
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import Request
-from .runner import ModelRunner, SeqBatchEntry
+from .runner import CpuKVCache, ModelRunner, SeqBatchEntry, preallocate_cpu_kv_cache
 from .sampler import Sampler, SampleResult, SamplingState, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -67,7 +67,13 @@ class LLMEngine:
         started = time.perf_counter()
         # Unseeded requests draw from torch's global generator: seeding it makes a whole run repeatable.
         torch.manual_seed(self.config.seed)
-        self.loaded: LoadedModel = load_model(self.config)
+        early_kv: list[CpuKVCache] = []
+
+        def allocate_cpu_kv_cache(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+            if device.type == "cpu" and (cache := preallocate_cpu_kv_cache(self.config, model, dtype)):
+                early_kv.append(cache)
+
+        self.loaded: LoadedModel = load_model(self.config, on_model_built=allocate_cpu_kv_cache)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.model_name
         self.runner = ModelRunner(self.config, self.loaded)
@@ -75,7 +81,7 @@ class LLMEngine:
         num_cpu_blocks = 0
         if self.config.preemption_mode == "swap":
             num_cpu_blocks = max(1, int(self.config.swap_space * GiB // self.runner.kv_bytes_per_block))
-        self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
+        self.runner.init_kv_cache(num_blocks, num_cpu_blocks, preallocated=early_kv[0] if early_kv else None)
         block_size = self.config.block_size
         self.max_model_len = self.loaded.max_model_len
         if num_blocks * block_size < self.max_model_len:
@@ -444,9 +450,15 @@ class LLMEngine:
     def warmup(self) -> None:
         self.runner.warmup()
 
-    def wait_for_kv_cache_mapped(self) -> None:
-        """Block until the KV cache's pages are mapped in (see ``host_malloc.populate_in_background``)."""
-        self.runner.wait_for_kv_cache_mapped()
+    def wait_for_kv_cache_mapped(self, num_blocks: int | None = None) -> None:
+        """Block until the KV cache's first ``num_blocks`` blocks (None: all) are mapped in: the blocks
+        the scheduler hands out first (see ``host_malloc.PagePopulation``)."""
+        self.runner.wait_for_kv_cache_mapped(num_blocks)
+
+    def pause_kv_cache_mapping_while(self, busy: Callable[[], bool]) -> None:
+        """From now on the rest of the KV cache maps in only while ``busy()`` is false: in a server's idle
+        time, off its steps' cores. Offline runs keep it beside their steps, where it finishes sooner."""
+        self.runner.pause_kv_cache_mapping_while(busy)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
