@@ -16,7 +16,7 @@ from .input_processor import InputLimits, InputProcessor
 from .loader import LoadedModel, load_model
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import Request
-from .runner import CpuKVCache, ModelRunner, SeqBatchEntry, preallocate_cpu_kv_cache
+from .runner import ModelRunner, SeqBatchEntry
 from .sampler import Sampler, SampleResult, SamplingState, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -67,13 +67,7 @@ class LLMEngine:
         started = time.perf_counter()
         # Unseeded requests draw from torch's global generator: seeding it makes a whole run repeatable.
         torch.manual_seed(self.config.seed)
-        early_kv: list[CpuKVCache] = []
-
-        def allocate_cpu_kv_cache(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-            if device.type == "cpu" and (cache := preallocate_cpu_kv_cache(self.config, model, dtype)):
-                early_kv.append(cache)
-
-        self.loaded: LoadedModel = load_model(self.config, on_model_built=allocate_cpu_kv_cache)
+        self.loaded: LoadedModel = load_model(self.config)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.model_name
         self.runner = ModelRunner(self.config, self.loaded)
@@ -81,7 +75,7 @@ class LLMEngine:
         num_cpu_blocks = 0
         if self.config.preemption_mode == "swap":
             num_cpu_blocks = max(1, int(self.config.swap_space * GiB // self.runner.kv_bytes_per_block))
-        self.runner.init_kv_cache(num_blocks, num_cpu_blocks, preallocated=early_kv[0] if early_kv else None)
+        self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
         block_size = self.config.block_size
         self.max_model_len = self.loaded.max_model_len
         if num_blocks * block_size < self.max_model_len:

@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -375,13 +375,8 @@ def _model_max_len(hf_config: Any) -> int:
     return int(v) if v else _DEFAULT_MAX_LEN_CAP
 
 
-def load_model(config: EngineConfig,
-               on_model_built: Callable[[nn.Module, torch.dtype, torch.device], None] | None = None) -> LoadedModel:
-    """Resolve, build and load the native model for ``config``; ``ValueError`` naming the uri on bad input.
-
-    ``on_model_built(model, dtype, device)`` runs once the model exists, before its tokenizer and weights
-    load (1.5-3 s on 2 cores): the engine allocates the CPU KV cache there, to map it in meanwhile.
-    """
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Resolve, build and load the native model for ``config``; ``ValueError`` naming the uri on bad input."""
     from .model_files import load_config, load_tokenizer
     from .models import get_model_class
 
@@ -403,13 +398,12 @@ def load_model(config: EngineConfig,
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    model = model_cls(hf_config, max_model_len=max_model_len, dtype=dtype, device=device)
-    if on_model_built is not None:
-        on_model_built(model, dtype, device)
     try:
         tokenizer = load_tokenizer(path)
     except Exception as e:
         raise ValueError(f"model {uri!r}: cannot load a tokenizer from {str(path)!r}: {e}") from e
+
+    model = model_cls(hf_config, max_model_len=max_model_len, dtype=dtype, device=device)
     try:
         model.load_weights(_iter_safetensors(path))
     except (KeyError, RuntimeError) as e:

@@ -100,62 +100,6 @@ def _configure_cpu_threads() -> None:
         torch.set_num_threads(n)
 
 
-def kv_bytes_per_block(model: torch.nn.Module, block_size: int, kv_dtype: torch.dtype) -> int:
-    """K and V of one block across all of ``model``'s layers, in ``kv_dtype``."""
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
-
-
-def _cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU cache tensor through calloc: under glibc's default mmap threshold a large block is
-    fresh zero pages, where torch.zeros would write the whole KV budget at start (0.4 s per GiB, 2-4 s
-    on a VM with fresh memory); a PagePopulation maps them in on a background thread instead."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros((*shape[:-1], shape[-1] * elem), dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype)
-
-
-@dataclass
-class CpuKVCache:
-    """Per-layer K and V caches on the CPU, with the thread mapping their pages in."""
-
-    num_blocks: int
-    k_caches: list[torch.Tensor]
-    v_caches: list[torch.Tensor]
-    population: host_malloc.PagePopulation | None
-
-    @classmethod
-    def allocate(cls, num_layers: int, shape: tuple[int, ...], dtype: torch.dtype) -> CpuKVCache:
-        k_caches = [_cpu_zeros(shape, dtype) for _ in range(num_layers)]
-        v_caches = [_cpu_zeros(shape, dtype) for _ in range(num_layers)]
-        host_malloc.keep_freed_memory()  # after the caches, so that they are fresh zero pages (_cpu_zeros)
-        population = host_malloc.PagePopulation.start(
-            [(t.data_ptr(), t.numel() * t.element_size()) for t in k_caches + v_caches])
-        return cls(shape[0], k_caches, v_caches, population)
-
-
-def cpu_kv_blocks(config: EngineConfig, per_block: int) -> tuple[int, str]:
-    """Blocks the CPU KV cache gets (``num_kv_blocks``, else its memory budget), and what set it."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks, "num_kv_blocks"
-    budget = config.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
-    return budget // per_block, f"kv_cache_memory={budget}"
-
-
-def preallocate_cpu_kv_cache(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype) -> CpuKVCache | None:
-    """The CPU KV cache for ``model``, allocated as soon as the model is built and before its weights
-    and tokenizer load, so that its pages map in meanwhile: with the load's 1.5-3 s beside it, a
-    server's wait for the first blocks and an offline run's first steps no longer pay for it (the first
-    2048-token step of 96 requests took 3.96 s with the population beside it, 2.37 s after it). None
-    when the budget holds no block (``init_kv_cache`` says so)."""
-    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    num_blocks, _ = cpu_kv_blocks(config, kv_bytes_per_block(model, config.block_size, kv_dtype))
-    if num_blocks < 1:
-        return None
-    shape = (int(num_blocks), config.block_size, model.num_kv_heads, model.head_dim)
-    return CpuKVCache.allocate(model.num_layers, shape, kv_dtype)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         self.config = config
@@ -192,7 +136,8 @@ class ModelRunner:
     @property
     def kv_bytes_per_block(self) -> int:
         """K and V of one block across all layers, in the KV cache dtype."""
-        return kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @property
     def weight_bytes(self) -> int:
@@ -210,11 +155,14 @@ class ModelRunner:
     def num_blocks_for_budget(self) -> int:
         """KV blocks that fit the memory budget (or ``config.num_kv_blocks``); logs the budget."""
         per_block = self.kv_bytes_per_block
-        if self.device.type == "cuda" and self.config.num_kv_blocks is None:
+        if self.config.num_kv_blocks is not None:
+            num_blocks, source = self.config.num_kv_blocks, "num_kv_blocks"
+        elif self.device.type == "cuda":
             budget = self._cuda_kv_budget()
             num_blocks, source = budget // per_block, f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
         else:
-            num_blocks, source = cpu_kv_blocks(self.config, per_block)
+            budget = self.config.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
+            num_blocks, source = budget // per_block, f"kv_cache_memory={budget}"
         num_blocks = int(num_blocks)
         if num_blocks < 1:
             raise ValueError(
@@ -253,22 +201,14 @@ class ModelRunner:
         logits = min(cfg.max_num_seqs, tokens) * self.vocab_size * (4 + elem) * 2
         return max(0, int(total * cfg.gpu_memory_utilization) - used - act - logits)
 
-    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0, preallocated: CpuKVCache | None = None) -> None:
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Allocate per-layer K and V ``[num_blocks, block_size, kv_heads, head_dim]`` in the KV cache dtype
-        (+ a CPU pool for swap, same dtype: swapping copies blocks as they are). On the CPU, a cache
-        ``preallocate_cpu_kv_cache`` made for this model is taken over instead."""
+        (+ a CPU pool for swap, same dtype: swapping copies blocks as they are)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        if self.device.type == "cpu":
-            if preallocated is None or preallocated.k_caches[0].shape != shape \
-                    or preallocated.k_caches[0].dtype != self.kv_dtype:
-                preallocated = CpuKVCache.allocate(self.num_layers, shape, self.kv_dtype)
-            self.k_caches, self.v_caches = preallocated.k_caches, preallocated.v_caches
-            self.kv_population = preallocated.population
-        else:
-            self.k_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
-            self.v_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_caches = [self._zeros(shape) for _ in range(self.num_layers)]
+        self.v_caches = [self._zeros(shape) for _ in range(self.num_layers)]
         self.num_blocks = num_blocks
         self.cpu_k_caches, self.cpu_v_caches = [], []
         if num_cpu_blocks > 0:
@@ -282,6 +222,21 @@ class ModelRunner:
             ]
         self.num_cpu_blocks = num_cpu_blocks
         self.model.bind_kv_caches(self.k_caches, self.v_caches)
+        if self.device.type == "cpu":
+            host_malloc.keep_freed_memory()  # after the caches, so that they are fresh zero pages (see _zeros)
+            self.kv_population = host_malloc.PagePopulation.start(
+                [(t.data_ptr(), t.numel() * t.element_size()) for t in self.k_caches + self.v_caches])
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed cache tensor. On the CPU through calloc: under glibc's default mmap threshold a large
+        block is fresh zero pages, where torch.zeros would write the whole KV budget at start (0.4 s per
+        GiB, 2-4 s on a VM with fresh memory); init_kv_cache maps them in on a background thread
+        (host_malloc.PagePopulation)."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        raw = np.zeros((*shape[:-1], shape[-1] * elem), dtype=np.uint8)
+        return torch.from_numpy(raw).view(self.kv_dtype)
 
     # ------------------------------------------------------------------ block moves
 
