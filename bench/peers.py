@@ -360,13 +360,16 @@ def markdown(all_results: dict[str, Any]) -> str:
              "| workload | peer | output tok/s | seconds | start s | vs kvpilot | host | note |",
              "|---|---|---:|---:|---:|---:|---|---|"]
     for wl, res in all_results.items():
-        ours = res["peers"].get("kvpilot", {}).get("output_tokens_per_s")
+        kvpilot = res["peers"].get("kvpilot", {})
+        ours = kvpilot.get("output_tokens_per_s")
         for peer, r in res["peers"].items():
             if "error" in r:
                 lines.append(f"| {wl} | {peer} | failed | | | | | {r['error'][:120].replace('|', '/')} |")
                 continue
             tps = r["output_tokens_per_s"]
-            rel = f"{ours / tps:.2f}x" if ours and peer != "kvpilot" else ""
+            # A ratio across hosts compares machines, not systems: rows merged from another host get none.
+            same_host = r.get("host_isa") == kvpilot.get("host_isa")
+            rel = f"{ours / tps:.2f}x" if ours and peer != "kvpilot" and same_host else ""
             start = f"{r['start_s']:.1f}" if "start_s" in r else ""
             lim = r.get("matmul_limit")
             note = (f"{100 * lim['fraction_of_limit']:.0f}% of the matmul limit ({lim['gflop']:.0f} GFLOP at "
@@ -376,7 +379,7 @@ def markdown(all_results: dict[str, Any]) -> str:
     lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster). The matmul limit is the run's "
               "matmul GFLOP (workload_gflop) at the best fp32 4096^3 sgemm rate measured in the same process "
               "just before and after the run. 'host' is the CPU's vector extensions: AVX-512 hosts run fp32 matmuls "
-              "faster, so compare rows of one host only."]
+              "faster, so compare rows of one host only; a row from another host than kvpilot's gets no ratio."]
     return "\n".join(lines) + "\n"
 
 

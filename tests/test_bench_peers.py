@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from peers import make_workload, matmul_limit, workload_gflop  # noqa: E402
+from peers import make_workload, markdown, matmul_limit, workload_gflop  # noqa: E402
 
 TINY = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10}
@@ -31,3 +31,13 @@ def test_limit_uses_the_better_sgemm_rate_and_the_workload_is_fixed() -> None:
     lim = matmul_limit(gflop=6000.0, seconds=100.0, sgemm_before=100.0, sgemm_after=120.0)
     assert lim["limit_s"] == 50.0 and lim["fraction_of_limit"] == 0.5
     assert make_workload("w96") == make_workload("w96") and len(make_workload("w48")) == 48
+
+
+def test_the_table_compares_kvpilot_only_with_rows_from_its_own_host() -> None:
+    def row(tps: float, host: str) -> dict:
+        return {"output_tokens_per_s": tps, "seconds": 1.0, "host_isa": host}
+
+    table = markdown({"w96": {"peers": {"kvpilot": row(100.0, "avx2 fma"), "vllm": row(80.0, "avx2 fma"),
+                                        "hf": row(50.0, "avx2 fma avx512f")}}})
+    rows = {line.split(" | ")[1]: line.split(" | ")[5] for line in table.splitlines() if line.startswith("| w96")}
+    assert rows == {"kvpilot": "", "vllm": "1.25x", "hf": ""}
