@@ -116,6 +116,8 @@ def daemon_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
     ]
     if e.get("maxModelLen"):
         args += ["--max-model-len", str(e["maxModelLen"])]
+    if e.get("longPrefillTokenThreshold") is not None:  # 0 (no cap) is a value the user may write
+        args += ["--long-prefill-token-threshold", str(e["longPrefillTokenThreshold"])]
     if e.get("kvCacheMemory"):
         args += ["--kv-cache-memory", e["kvCacheMemory"]]
     if e.get("maxQueuedRequests"):

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.operator import crd
 from operator_support import crd_checks as checks
 
@@ -302,6 +303,9 @@ def test_model_uri_is_immutable():
     ({"replicas": -1}, "spec.replicas"),
     ({"engine": {"blockSize": 12}}, "spec.engine.blockSize"),
     ({"engine": {"schedulingPolicy": "lifo"}}, "spec.engine.schedulingPolicy"),
+    ({"engine": {"longPrefillTokenThreshold": -1}}, "spec.engine.longPrefillTokenThreshold"),
+    ({"engine": {"longPrefillTokenThreshold": "256"}}, "spec.engine.longPrefillTokenThreshold"),
+    ({"engine": {"longPrefillTokenThreshold": 2.5}}, "spec.engine.longPrefillTokenThreshold"),
     ({"autoscaling": {"maxReplicas": 0}}, "spec.autoscaling.maxReplicas"),
     ({"autoscaling": {"minReplicas": -1}}, "spec.autoscaling.minReplicas"),
     ({"router": {"replicas": 1}}, "spec.router.replicas"),
@@ -328,6 +332,33 @@ def test_schema_rejects_bad_values(patch, fragment):
     spec = {"model": {"uri": "hf://org/m"}, **patch}
     errors = crd.validate("ok", crd.default_spec(spec))
     assert any(fragment in e for e in errors), errors
+
+
+@pytest.mark.parametrize("threshold, ok", [(-1, False), (-4096, False), (0, True), (1, True), (256, True),
+                                           (1 << 20, True)])
+def test_the_server_judges_long_prefill_token_threshold_like_the_daemon(threshold, ok):
+    """minimum 0, as the daemon's own check; no rule against maxNumBatchedTokens, which the daemon does not
+    enforce either (a threshold above the step budget only never binds)."""
+    engine = {"longPrefillTokenThreshold": threshold, "maxNumBatchedTokens": 512}
+    o = obj("ok", {"model": {"uri": "hf://org/m"}, "engine": engine})
+    assert checks.prune_object(o, schema()) == o  # a declared field: not dropped on the way in
+    errors = checks.schema_errors(o, schema())
+    defaulted = obj("ok", crd.default_spec(o["spec"]))
+    if ok:
+        assert errors == [] and checks.cel_errors(defaulted, schema()) == []
+        assert crd.validate("ok", defaulted["spec"]) == []
+        EngineConfig(long_prefill_token_threshold=threshold, max_num_batched_tokens=512)
+    else:
+        assert any("spec.engine.longPrefillTokenThreshold" in e for e in errors), errors
+        with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+            EngineConfig(long_prefill_token_threshold=threshold)
+
+
+def test_long_prefill_token_threshold_is_typed_and_optional():
+    node = schema()["properties"]["spec"]["properties"]["engine"]["properties"]["longPrefillTokenThreshold"]
+    assert node["type"] == "integer" and node["minimum"] == 0
+    assert "default" not in node  # unset leaves the daemon's default in charge
+    assert "--long-prefill-token-threshold" in node["description"]
 
 
 @pytest.mark.parametrize("router, fragment", [

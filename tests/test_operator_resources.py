@@ -6,6 +6,7 @@ import copy
 
 import pytest
 
+from kvpilot.daemon.args import parse_serve_args
 from kvpilot.operator import crd, resources
 
 META = {"name": "llm", "namespace": "ml", "uid": "u-1"}
@@ -38,13 +39,14 @@ def test_gpu_and_compute_limits(res, limits):
 @pytest.mark.parametrize("engine, model, expected", [
     ({}, {"uri": "hf://org/model"}, {"--block-size": "16", "--max-num-seqs": "256", "--dtype": "auto",
                                      "--served-model-name": "llm", "--scheduling-policy": "fcfs",
-                                     "--max-model-len": None, "--kv-cache-memory": None}),
+                                     "--max-model-len": None, "--kv-cache-memory": None,
+                                     "--long-prefill-token-threshold": None}),
     ({"blockSize": 32, "maxNumSeqs": 8, "maxModelLen": 4096, "kvCacheMemory": "20Gi", "dtype": "bfloat16",
-      "schedulingPolicy": "priority", "maxQueuedRequests": 100},
+      "schedulingPolicy": "priority", "maxQueuedRequests": 100, "longPrefillTokenThreshold": 256},
      {"uri": "hf://org/model", "name": "chat"},
      {"--block-size": "32", "--max-num-seqs": "8", "--max-model-len": "4096", "--kv-cache-memory": "20Gi",
       "--dtype": "bfloat16", "--scheduling-policy": "priority", "--served-model-name": "chat",
-      "--max-queued-requests": "100"}),
+      "--max-queued-requests": "100", "--long-prefill-token-threshold": "256"}),
 ])
 def test_daemon_args(engine, model, expected):
     args = container(spec(engine=engine, model=model))["args"]
@@ -58,6 +60,24 @@ def test_daemon_args(engine, model, expected):
 def test_prefix_caching_flag(prefix, flag):
     args = container(spec(engine={"enablePrefixCaching": prefix}))["args"]
     assert flag in args
+
+
+@pytest.mark.parametrize("engine, rendered, threshold", [
+    ({}, None, 0),                                  # unset: no flag, the daemon's default (0, no cap) applies
+    ({"longPrefillTokenThreshold": 0}, "0", 0),     # 0 written out is still written out
+    ({"longPrefillTokenThreshold": 256}, "256", 256),
+    # extraArgs come after the typed flag, so the daemon's argparse takes theirs (as for maxNumSeqs)
+    ({"longPrefillTokenThreshold": 256, "extraArgs": ["--long-prefill-token-threshold", "64"]}, "256", 64),
+])
+def test_long_prefill_token_threshold_reaches_the_daemon(engine, rendered, threshold):
+    """The rendered args as `kvpilot serve` itself parses them."""
+    args = container(spec(engine=engine))["args"]
+    assert arg(args, "--long-prefill-token-threshold") == rendered
+    assert parse_serve_args(args[1:], environ={}).engine_config().long_prefill_token_threshold == threshold
+
+
+def test_long_prefill_token_threshold_has_no_schema_default():
+    assert "longPrefillTokenThreshold" not in spec()["engine"]  # absent stays absent: the daemon decides
 
 
 def test_extra_args_are_appended_and_api_key_comes_from_a_secret():
