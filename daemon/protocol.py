@@ -263,8 +263,10 @@ def _logit_bias(f: _Fields) -> dict[int, float] | None:
 
 def _common_sampling(f: _Fields, *, n: int, max_tokens: int | None, logprobs: int | None,
                      best_of: int | None = None, prompt_logprobs: int | None = None,
-                     structured: StructuredOutputSpec | None = None) -> SamplingParams:
-    """Fields shared by both routes, vLLM's extra parameters included."""
+                     structured: StructuredOutputSpec | None = None,
+                     extra_stop: str | None = None) -> SamplingParams:
+    """Fields shared by both routes, vLLM's extra parameters included. extra_stop: a stop string the
+    server adds (not counted against the client's MAX_STOP_STRINGS)."""
     temperature = f.number("temperature", 1.0, 0.0, 2.0)
     top_p = f.number("top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = f.integer("top_k", 0, -1)
@@ -276,6 +278,8 @@ def _common_sampling(f: _Fields, *, n: int, max_tokens: int | None, logprobs: in
     ignore_eos = f.boolean("ignore_eos", False)
     min_tokens = f.integer("min_tokens", 0, 0)
     stop = _stop(f)
+    if extra_stop is not None and extra_stop not in stop:
+        stop.append(extra_stop)
     stop_token_ids = _token_id_list("stop_token_ids", f.body["stop_token_ids"]) \
         if f.body.get("stop_token_ids") is not None else []
     include_stop = f.boolean("include_stop_str_in_output", False)
@@ -457,6 +461,14 @@ def _chat_constraint(tools: list[Tool], choice: ToolChoice | None, parallel: boo
     return forced_call_spec(tools, choice, parallel=parallel)
 
 
+def _single_call_stop(choice: ToolChoice | None, parallel: bool) -> str | None:
+    if choice is None:
+        return None  # no tools: no import
+    from .tools import single_call_stop
+
+    return single_call_stop(choice, parallel)
+
+
 def parse_messages(v: Any) -> list[dict[str, Any]]:
     """Chat messages, checked and normalized (text content only)."""
     return _messages(v)
@@ -487,7 +499,8 @@ def parse_chat_request(body: dict[str, Any], *, auto_tool_choice: bool = False) 
     if cont and messages[-1]["role"] != "assistant":
         raise invalid("continue_final_message", "'continue_final_message' needs a final assistant message")
     params = _common_sampling(f, n=n, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if logprobs else None,
-                              structured=_chat_constraint(tools, tool_choice, parallel, body))
+                              structured=_chat_constraint(tools, tool_choice, parallel, body),
+                              extra_stop=_single_call_stop(tool_choice, bool(parallel)))
     return ChatRequest(model=model, messages=messages, params=params, stream=stream,
                        stream_options=stream_options, logprobs=logprobs, top_logprobs=top_logprobs or 0,
                        priority=_priority(f), cache_salt=_cache_salt(f), add_generation_prompt=add_gen, continue_final_message=cont,

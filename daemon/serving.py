@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from .async_engine import Aborted, Accepted, AsyncEngine, Rejected, Submission
+from .chat_template import render_chat
 from .engine.input_processor import InputError, InputProcessor
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
@@ -77,16 +78,9 @@ class OpenAIServing:
                     continue_final_message: bool, tools: list | None = None) -> str:
         """The chat template applied to checked messages (shared with /tokenize). Tools, tool calls
         and tool results go in natively when the template knows them, else as Hermes text."""
-        tok = self.engine.tokenizer
-        native_tools = None
-        if tools or any("tool_calls" in m or m.get("role") == "tool" for m in messages):
-            from .tools import template_inputs, template_supports_tools
-
-            messages, native_tools = template_inputs(messages, tools or [], template_supports_tools(tok))
         try:
-            return tok.apply_chat_template(
-                messages, tools=native_tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
+            return render_chat(self.engine.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message)
         except Exception as exc:  # noqa: BLE001 - jinja errors: the messages broke the template's rules
             raise APIError(f"the chat template rejected the messages: {exc}", param="messages",
                            code="invalid_value") from None

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from .picker import PickerConfig
 from .proxy import ProxyConfig
 from .server import RouterSettings, serve
-from .tokenize_pool import INLINE_CHARS
+from .tokenize_pool import INLINE_CHARS, PENDING_PER_THREAD
 
 ENV_PREFIX = "KVPILOT_ROUTER_"
 
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
       "(0: all inline)")
     a("--tokenize-inline-chars", type=int, default=INLINE_CHARS, help="prompts shorter than this (characters, "
       "chat template applied) are encoded inline: the thread hand-off costs more")
+    a("--tokenize-max-pending", type=int, default=None, help="long prompts queued or encoding on the threads "
+      "at most; beyond that a prompt is not tokenized and routes on load alone, without delay "
+      f"(default: {PENDING_PER_THREAD} per thread; 0: every long prompt)")
     a("--index-blocks", type=int, default=200_000, help="block hashes the prefix index remembers")
     a("--session-capacity", type=int, default=100_000)
     a("--scrape-interval", type=float, default=1.0)
@@ -82,6 +85,8 @@ def settings_from_args(ns: argparse.Namespace) -> RouterSettings:
                         retry_after=ns.retry_after)
     if ns.tokenize_threads < 0 or ns.tokenize_inline_chars < 0:
         raise ValueError("--tokenize-threads and --tokenize-inline-chars must be >= 0")
+    if ns.tokenize_max_pending is not None and ns.tokenize_max_pending < 0:
+        raise ValueError("--tokenize-max-pending must be >= 0")
     if not ns.endpoints and not ns.service:
         raise ValueError("give --endpoints (static) or --service (EndpointSlice discovery)")
     return RouterSettings(host=ns.host, port=ns.port, endpoints=ns.endpoints, service=ns.service,
@@ -90,7 +95,8 @@ def settings_from_args(ns: argparse.Namespace) -> RouterSettings:
                           session_source=session, session_capacity=ns.session_capacity,
                           scrape_interval=ns.scrape_interval, scrape_timeout=ns.scrape_timeout,
                           metrics_path=ns.metrics_path, tokenize_threads=ns.tokenize_threads,
-                          tokenize_inline_chars=ns.tokenize_inline_chars)
+                          tokenize_inline_chars=ns.tokenize_inline_chars,
+                          tokenize_max_pending=ns.tokenize_max_pending)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

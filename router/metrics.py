@@ -45,7 +45,11 @@ class RouterMetrics:
         self.overhead = Histogram("kvpilot:router_decision_seconds", "Wall time to tokenize, hash and pick, "
                                   "per request, by where the prompt was encoded (inline on the event loop, "
                                   "pool: on a tokenizer thread, the wait for one included; none: nothing to "
-                                  "encode).", ["tokenize"], buckets=OVERHEAD_BUCKETS, registry=r)
+                                  "encode; shed: not encoded, the tokenizer threads were full).", ["tokenize"],
+                                  buckets=OVERHEAD_BUCKETS, registry=r)
+        self.tokenize_shed = Counter("kvpilot:router_tokenize_shed", "Long prompts not tokenized because "
+                                     "--tokenize-max-pending were already on the tokenizer threads: routed on "
+                                     "load alone.", registry=r)
         self._decision_children: dict[str, Any] = {}
         self._overhead_children: dict[str, Any] = {}
         self._inflight_children: dict[str, Any] = {}

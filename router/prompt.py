@@ -1,8 +1,8 @@
 """Request body -> prompt token ids -> the engine's block-hash chain, the key of prefix affinity.
 
-The token ids must be the daemon's: the same tokenizer, the same chat template, the same special-token
-rules (daemon/serving.py). A body the daemon would reject yields no hashes; the router then routes on
-load alone and lets the daemon answer the error.
+The token ids must be the daemon's: the same tokenizer, the same chat template rendered with the same
+tools (kvpilot.daemon.chat_template, as daemon/serving.py), the same special-token rules. A body the
+daemon would reject yields no hashes; the router then routes on load alone and lets the daemon answer the error.
 
 Two stages, because they cost differently: `prompt_input` (parse the body, render the chat template) is
 Python that holds the GIL; `encode` is, for a Hugging Face fast tokenizer, Rust that releases it, so
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpilot.block_hash import hash_prompt_blocks
+from kvpilot.daemon.chat_template import render_chat
 from kvpilot.daemon.protocol import APIError, parse_chat_request
 
 
@@ -134,10 +135,11 @@ class PromptHasher:
             return None
 
     def _chat_text(self, body: dict[str, Any]) -> str:
-        req = parse_chat_request(body)
-        text = self.tokenizer.apply_chat_template(req.messages, tokenize=False,
-                                                  add_generation_prompt=req.add_generation_prompt,
-                                                  continue_final_message=req.continue_final_message)
+        # auto_tool_choice: the template does not depend on tool_choice, and whether the daemons take "auto"
+        # is theirs to say; parsed strictly, every "auto" request would lose its affinity
+        req = parse_chat_request(body, auto_tool_choice=True)
+        text = render_chat(self.tokenizer, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message)
         if not isinstance(text, str):
             raise TypeError(f"the chat template gave {type(text).__name__}, not text")
         return text

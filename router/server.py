@@ -46,6 +46,7 @@ class RouterSettings:
     metrics_path: str = "/metrics"
     tokenize_threads: int = 2  # worker threads that encode long prompts off the event loop (0: inline)
     tokenize_inline_chars: int = INLINE_CHARS  # shorter texts are encoded inline
+    tokenize_max_pending: int | None = None  # long texts on the pool at most, then shed (None: per thread)
 
 
 STATE_KEY = web.AppKey("router_state", RouterState)
@@ -86,7 +87,7 @@ async def _background(app: web.Application):
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     scraper = LoadScraper(endpoints, session, s.scrape_interval, s.scrape_timeout, s.metrics_path) \
         if s.picker.load else None
-    tokens = TokenizePool(app[HASHER_KEY], s.tokenize_threads, s.tokenize_inline_chars)
+    tokens = TokenizePool(app[HASHER_KEY], s.tokenize_threads, s.tokenize_inline_chars, s.tokenize_max_pending)
     state = RouterState(endpoints, Picker(s.picker), app[HASHER_KEY], app[METRICS_KEY], scraper, s.index_blocks,
                         s.session_source, s.session_capacity, tokens)
     app[STATE_KEY] = state

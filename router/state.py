@@ -24,7 +24,7 @@ class RouteKey:
     hashes: list[bytes] = field(default_factory=list)
     prompt_tokens: int = 0
     session: str | None = None
-    tokenized: str = "none"  # where the prompt was encoded: none, inline or pool (router/tokenize_pool.py)
+    tokenized: str = "none"  # where the prompt was encoded: none, inline, pool or shed (router/tokenize_pool.py)
 
 
 class SessionTable:
@@ -88,6 +88,8 @@ class RouterState:
         if body is None or not self.picker.config.prefix:
             return RouteKey(session=session)
         tokens = await self.tokens.token_ids(path, body)
+        if tokens.where == "shed":  # counted here: a request held and refused never reaches decision_time
+            self.metrics.tokenize_shed.inc()
         if not tokens.ids:
             return RouteKey(session=session, tokenized=tokens.where)
         salt = body.get("cache_salt")

@@ -104,6 +104,36 @@ def test_forced_tool_calls(client, stream, choice):
     jsonschema.validate(json.loads(call["arguments"]), tool["function"]["parameters"])
 
 
+TWO_CALLS = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_auto_tool_calls_follow_parallel_tool_calls(client, stream, parallel):
+    """The model is made to write two calls (a choice constraint) under "auto": both come back, or
+    with parallel_tool_calls=false only the first, streamed or not."""
+    msgs = [{"role": "user", "content": "Weather and time in Rome?"}]
+    content, finish, calls = chat(client, stream, messages=msgs, tools=[WEATHER, TIME], tool_choice="auto",
+                                  parallel_tool_calls=parallel, max_tokens=150,
+                                  extra_body={"structured_outputs": {"choice": [TWO_CALLS]}})
+    assert finish == "tool_calls" and content.strip() == "Checking.", (content, finish)
+    assert all(c["id"].startswith("call_") for c in calls)
+    want = [("get_weather", {"city": "Rome", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == (want if parallel else want[:1])
+
+
+def test_single_call_stops_generating_after_the_call(client):
+    """parallel_tool_calls=false ends the generation at the first call: the second is never written."""
+    kw = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Weather and time in Rome?"}],
+          "tools": [WEATHER, TIME], "max_tokens": 150, "temperature": 0,
+          "extra_body": {"structured_outputs": {"choice": [TWO_CALLS]}}}
+    one = client.chat.completions.create(parallel_tool_calls=False, **kw)
+    both = client.chat.completions.create(parallel_tool_calls=True, **kw)
+    assert len(one.choices[0].message.tool_calls) == 1 and len(both.choices[0].message.tool_calls) == 2
+    assert one.usage.completion_tokens < both.usage.completion_tokens - 10, (one.usage, both.usage)
+
+
 def test_tool_results_round_trip(client):
     """A call and its result in the history render and generate (auto: the server parses calls)."""
     msgs = [{"role": "user", "content": "Weather in Rome?"},

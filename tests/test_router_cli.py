@@ -22,20 +22,25 @@ def test_flags_become_settings():
     s = settings_from_args(ns)
     assert (s.picker.slots, s.picker.queue_weight, s.picker.kv_weight) == (8.0, 2.0, 0.5)
     assert (s.tokenize_threads, s.tokenize_inline_chars) == (0, 99)
+    assert s.tokenize_max_pending is None  # the pool's default: a few per thread
+    ns = build_parser().parse_args(["--endpoints", "127.0.0.1:1", "--tokenize-max-pending", "0"])
+    assert settings_from_args(ns).tokenize_max_pending == 0
 
 
 def test_environment_sets_defaults_and_flags_win(monkeypatch):
     monkeypatch.setenv("KVPILOT_ROUTER_SERVICE", "llm")
     monkeypatch.setenv("KVPILOT_ROUTER_LOAD", "false")
     monkeypatch.setenv("KVPILOT_ROUTER_BLOCK_SIZE", "32")
+    monkeypatch.setenv("KVPILOT_ROUTER_TOKENIZE_MAX_PENDING", "3")
     s = settings_from_args(build_parser().parse_args([]))
-    assert s.service == "llm" and not s.picker.load and s.block_size == 32
+    assert s.service == "llm" and not s.picker.load and s.block_size == 32 and s.tokenize_max_pending == 3
     s = settings_from_args(build_parser().parse_args(["--block-size", "16"]))
     assert s.block_size == 16
 
 
 @pytest.mark.parametrize("argv", [[], ["--endpoints", "x:1", "--session", "cookie"],
                                   ["--endpoints", "x:1", "--tokenize-threads", "-1"],
+                                  ["--endpoints", "x:1", "--tokenize-max-pending", "-1"],
                                   ["--endpoints", "x:1", "--replica-slots", "0"]])
 def test_bad_arguments_are_refused(argv, monkeypatch):
     monkeypatch.delenv("KVPILOT_ROUTER_SERVICE", raising=False)

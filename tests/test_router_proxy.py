@@ -428,3 +428,22 @@ async def test_a_queued_replica_spills_its_tenant_to_a_second_replica(three):
         assert router_state(rs.app).slots == 4  # learned from the queue: a replica runs 4 at once
     finally:
         await rs.stop()
+
+
+async def test_a_shed_prompt_routes_on_load_and_is_counted(three):
+    """With no room on the tokenizer threads (here: none at all) a long prompt is not tokenized: it is
+    answered at once, routed by load, and counted."""
+    tok = SlowTokenizer(delay=5.0, slow_chars=4000)  # were it encoded, the request would take 5 s
+    rs = await router(three, tokenizer=tok, tokenize_max_pending=0)
+    try:
+        c = client(rs)
+        t0 = time.monotonic()
+        r = await c.chat.completions.create(model="m", messages=chat("long " * 1000))
+        assert r.choices[0].message.content.startswith("hi from") and time.monotonic() - t0 < 2.0
+        assert tok.slow_threads == []
+        await c.chat.completions.create(model="m", messages=chat("short"))  # short prompts are encoded inline
+        assert await metric(rs, "kvpilot:router_tokenize_shed_total") == 1
+        assert await metric(rs, "kvpilot:router_decision_seconds_count", tokenize="shed") == 1
+        assert await metric(rs, "kvpilot:router_decisions_total", reason="load") == 1
+    finally:
+        await rs.stop()

@@ -10,7 +10,7 @@ from .messages import (
     template_supports_tools,
     tools_system_prompt,
 )
-from .schema import Tool, ToolChoice, forced_call_spec, parse_tool_choice, parse_tools
+from .schema import Tool, ToolChoice, forced_call_spec, parse_tool_choice, parse_tools, single_call_stop
 
 TOOL_CALL_PARSERS = {"hermes": HermesStreamParser}
 
@@ -29,6 +29,7 @@ __all__ = [
     "parse_message_tool_fields",
     "parse_tool_choice",
     "parse_tools",
+    "single_call_stop",
     "template_inputs",
     "template_supports_tools",
     "tools_system_prompt",

@@ -10,6 +10,7 @@ from ..protocol import ChatRequest
 from ..response_formats import ChatFormat, ChoiceState, Detokenizer, RequestState
 from .hermes import HermesStreamParser, parse
 from .messages import chat_message, finish_reason
+from .schema import single_call_stop
 
 
 class ToolChatFormat(ChatFormat):
@@ -19,10 +20,21 @@ class ToolChatFormat(ChatFormat):
                  parser: type[HermesStreamParser] = HermesStreamParser) -> None:
         super().__init__(tokenizer, model_name, job, req)
         self.parsers = {c.index: parser() for c in job.choices.values()}
+        # parallel_tool_calls=false under "auto": the request stops at the first call's end marker
+        self.call_stop = single_call_stop(req.tool_choice, req.parallel_tool_calls)
+
+    def _cut_marker(self, c: ChoiceState) -> str:
+        """The end marker a stop at `call_stop` cut off the choice's text (unless the client asked
+        for stop strings in the output), to give back to the parser so the call completes."""
+        if self.call_stop is None or c.stop_reason != self.call_stop or c.text.endswith(self.call_stop):
+            return ""
+        return self.call_stop
 
     def delta(self, c: ChoiceState, out: CompletionOutput) -> dict[str, Any] | None:
         text, toks, lps, done = self._advance(c, out)
         parser = self.parsers[c.index]
+        if done:
+            text += self._cut_marker(c)
         pieces = parser.feed(text) if text else []
         if done:
             pieces += parser.finish()
@@ -38,7 +50,8 @@ class ToolChatFormat(ChatFormat):
         body = super().final()
         by_index = {c.index: c for c in self.job.choices.values()}
         for choice in body["choices"]:
-            parsed = parse(by_index[choice["index"]].text)
+            c = by_index[choice["index"]]
+            parsed = parse(c.text + self._cut_marker(c))
             choice["message"] = chat_message(parsed.content, parsed.tool_calls)
             choice["finish_reason"] = finish_reason(choice["finish_reason"], parsed.tool_calls)
         return body

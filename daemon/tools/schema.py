@@ -109,6 +109,13 @@ def parse_tool_choice(value: Any, tools: list[Tool], *, auto_enabled: bool) -> T
                                 '{"type": "function", "function": {"name": ...}}')
 
 
+def single_call_stop(choice: ToolChoice | None, parallel: bool) -> str | None:
+    """The stop string that enforces parallel_tool_calls=false for "auto": generation ends at the
+    first call's end marker, so a second call is never written (nor paid for). Forced calls need
+    none: their grammar already stops after one call."""
+    return CALL_END if choice is not None and choice.mode == "auto" and not parallel else None
+
+
 def forced_call_spec(tools: list[Tool], choice: ToolChoice, *, parallel: bool = True) -> StructuredOutputSpec | None:
     """The constraint for "required" (any tool, one or more calls; one when not parallel) or a named
     tool (exactly one call); None for "none" and "auto"."""
