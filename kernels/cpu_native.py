@@ -308,7 +308,7 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor
 
 
 def panel_gemm_max_rows() -> int:
-    """Up to how many rows ``panel_gemm`` is the faster GEMM in this build (512 with AVX-512, else 16);
+    """Up to how many rows ``panel_gemm`` is the faster GEMM in this build (512 with AVX-512, 64 with AVX2);
     0 without the kernel."""
     return _build_constant("panel_gemm_max_rows")
 

@@ -111,7 +111,7 @@ def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) ->
 @needs_native
 def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
-    assert small_batch_rows() in (16, 512)  # what the build's instruction set picks
+    assert small_batch_rows() in (64, 512)  # what the build's instruction set picks (AVX2, AVX-512)
     prompt = [(17 * i + 3) % 40000 + 100 for i in range(11)]  # one step of 11 rows: the panels' range
     both = LLM(model=MODEL, dtype="float32", max_model_len=256)
     model = both.engine.runner.model

@@ -14,6 +14,9 @@
  * registers (no horizontal sums). Measured the same way: 12-19 ms per pass at 1-8 rows where the
  * row-major kernel took 25-39 ms; on AVX-512, 196-213 GFLOP/s at 64-512 rows over 30 layers' weights,
  * against oneDNN's packed GEMM at 145-198, and level with it from 768 rows (hence the row limit there).
+ * The AVX2 build (3-row tile) was measured the same way with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA):
+ * 1.10-1.86x oneDNN's rate at 8-64 rows, 1.01-1.05x at 96-128, 0.91-0.95x at 192, so it stops at 64;
+ * whole decode steps at 24-32 running took 97-123 ms against 109-134 with the earlier limit of 16.
  *
  * Threads split the panels into contiguous shares, so that each streams one range of the weight. More
  * rows than PANEL_MB go in groups over the same panel, which the first group has brought into L2.
@@ -27,16 +30,18 @@
 #include "cpu_simd.h"
 #include "panel_kernel.h"
 
+#ifndef PANEL_GEMM_MAX_ROWS  /* -D on the compile line: for measuring where the crossover lies */
 #if PANEL_MB > 3
-#define MAX_ROWS 512
+#define PANEL_GEMM_MAX_ROWS 512
 #else
-#define MAX_ROWS 16
+#define PANEL_GEMM_MAX_ROWS 64
+#endif
 #endif
 
 int kvpilot_panel_width(void) { return PANEL; }
 
 /* The most rows for which this build's kernel is the better choice (more go to the library GEMM). */
-int kvpilot_panel_gemm_max_rows(void) { return MAX_ROWS; }
+int kvpilot_panel_gemm_max_rows(void) { return PANEL_GEMM_MAX_ROWS; }
 
 /* w [N, K] rows w_stride floats apart -> out [ceil(N / PANEL)][K][PANEL]. */
 void kvpilot_pack_panels_f32(const float *w, int64_t w_stride, int N, int K, float *out, int num_threads) {

@@ -13,7 +13,7 @@ storage, so only ``linear`` below may read it.
 
 Steps of a few rows are different: they only stream the weights, and oneDNN reads them well below
 the host's streaming rate. There ``linear`` takes the weight's panels (``cpu_native.pack_panels``),
-when the model kept them, to ``cpu_native.panel_gemm``, up to ``small_batch_rows()`` rows: 16 on AVX2,
+when the model kept them, to ``cpu_native.panel_gemm``, up to ``small_batch_rows()`` rows: 64 on AVX2,
 512 where the build has AVX-512. Measured there over a decode step's GEMMs (30 layers and the LM head,
 538 MB): 12-19 ms at 1-8 rows, where the earlier kernel over plain rows took 25-39 ms, and against
 oneDNN 29 vs 35 ms at 16 rows, 45 vs 53 at 32, 85 vs 96 at 64; over the 30 layers alone 196-213
