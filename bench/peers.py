@@ -87,14 +87,37 @@ def sgemm_gflops(repeats: int = 5) -> float:
     return 2 * 4096**3 / best / 1e9
 
 
-def matmul_limit(gflop: float, seconds: float, sgemm_before: float, sgemm_after: float) -> dict[str, float]:
+def fma_peak_gflops(threads: int) -> float | None:
+    """The host's fp32 FMA peak on ``threads`` threads (bench/fma_peak.c, built with the system C compiler
+    for this CPU); None where it cannot be built or run. The true ceiling: torch's sgemm reached only
+    141-148 GFLOP/s on a 2-core Zen 4 whose FMA peak is ~228, so a run could pass its "limit"."""
+    cc = os.environ.get("CC", "cc")
+    with tempfile.TemporaryDirectory(prefix="kvpilot-fma-") as tmp:
+        exe = Path(tmp) / "fma_peak"
+        try:
+            subprocess.run([cc, "-O2", "-march=native", "-fopenmp", str(Path(__file__).with_name("fma_peak.c")),
+                            "-o", str(exe)], check=True, capture_output=True, timeout=120)
+            runs = [subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=120,
+                                   env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout for _ in range(3)]
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return max(float(r) for r in runs)
+
+
+def matmul_limit(gflop: float, seconds: float, sgemm_before: float, sgemm_after: float,
+                 fma_peak: float | None = None) -> dict[str, float]:
     """How close a run came to the matmul limit: its GFLOP at the better of the two sgemm rates
-    measured just before and just after it, over its wall time."""
+    measured just before and just after it, over its wall time; with ``fma_peak``, also at the host's
+    FMA peak (the time no implementation can beat)."""
     peak = max(sgemm_before, sgemm_after)
     limit_s = gflop / peak
-    return {"gflop": round(gflop, 1), "sgemm_gflops_before": round(sgemm_before, 1),
-            "sgemm_gflops_after": round(sgemm_after, 1), "limit_s": round(limit_s, 2),
-            "fraction_of_limit": round(limit_s / seconds, 3)}
+    out = {"gflop": round(gflop, 1), "sgemm_gflops_before": round(sgemm_before, 1),
+           "sgemm_gflops_after": round(sgemm_after, 1), "limit_s": round(limit_s, 2),
+           "fraction_of_limit": round(limit_s / seconds, 3)}
+    if fma_peak:
+        out |= {"fma_peak_gflops": round(fma_peak, 1), "fma_limit_s": round(gflop / fma_peak, 2),
+                "fraction_of_fma_peak": round(gflop / fma_peak / seconds, 3)}
+    return out
 
 
 def peers_dir() -> Path:
@@ -334,7 +357,8 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
         tok = sum(len(r.outputs[0].token_ids) for r in res)
         cfg = json.loads((llm.engine.loaded.path / "config.json").read_text())
         return {"seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec, "start_s": start_s,
-                "matmul_limit": matmul_limit(workload_gflop(work, cfg), sec, sgemm_before, sgemm_after)}
+                "matmul_limit": matmul_limit(workload_gflop(work, cfg), sec, sgemm_before, sgemm_after,
+                                             fma_peak_gflops(threads))}
     if peer == "hf":
         sys.path.insert(0, str(REPO / "bench"))
         from throughput import bench_hf_static, load_hf
@@ -374,11 +398,14 @@ def markdown(all_results: dict[str, Any]) -> str:
             lim = r.get("matmul_limit")
             note = (f"{100 * lim['fraction_of_limit']:.0f}% of the matmul limit ({lim['gflop']:.0f} GFLOP at "
                     f"{max(lim['sgemm_gflops_before'], lim['sgemm_gflops_after']):.0f} GFLOP/s)") if lim else ""
+            if lim and "fma_peak_gflops" in lim:
+                note += (f"; {100 * lim['fraction_of_fma_peak']:.0f}% of the FMA peak ({lim['fma_peak_gflops']:.0f} "
+                         f"GFLOP/s: {lim['fma_limit_s']:.1f} s at best)")
             host = r.get("host_isa", "not recorded")
             lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | {host} | {note} |")
     lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster). The matmul limit is the run's "
               "matmul GFLOP (workload_gflop) at the best fp32 4096^3 sgemm rate measured in the same process "
-              "just before and after the run. 'host' is the CPU's vector extensions: AVX-512 hosts run fp32 matmuls "
+              "just before and after the run; the FMA peak is bench/fma_peak.c's rate on the same threads (no GEMM can pass it). 'host' is the CPU's vector extensions: AVX-512 hosts run fp32 matmuls "
               "faster, so compare rows of one host only; a row from another host than kvpilot's gets no ratio."]
     return "\n".join(lines) + "\n"
 

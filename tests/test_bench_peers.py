@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from peers import make_workload, markdown, matmul_limit, workload_gflop  # noqa: E402
+from peers import fma_peak_gflops, make_workload, markdown, matmul_limit, workload_gflop  # noqa: E402
 
 TINY = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10}
@@ -41,3 +41,21 @@ def test_the_table_compares_kvpilot_only_with_rows_from_its_own_host() -> None:
                                         "hf": row(50.0, "avx2 fma avx512f")}}})
     rows = {line.split(" | ")[1]: line.split(" | ")[5] for line in table.splitlines() if line.startswith("| w96")}
     assert rows == {"kvpilot": "", "vllm": "1.25x", "hf": ""}
+
+
+def test_the_fma_peak_bounds_the_run_where_the_sgemm_rate_does_not() -> None:
+    lim = matmul_limit(gflop=6000.0, seconds=40.0, sgemm_before=140.0, sgemm_after=145.0, fma_peak=240.0)
+    assert lim["fraction_of_limit"] > 1  # a library sgemm is no ceiling
+    assert lim["fma_limit_s"] == 25.0 and lim["fraction_of_fma_peak"] == 0.625
+    table = markdown({"w96": {"peers": {"kvpilot": {"output_tokens_per_s": 150.0, "seconds": 40.0,
+                                                    "host_isa": "avx2 fma", "matmul_limit": lim}}}})
+    assert "62% of the FMA peak (240 GFLOP/s: 25.0 s at best)" in table
+
+
+def test_the_fma_peak_is_measured_on_this_host() -> None:
+    one, two = fma_peak_gflops(1), fma_peak_gflops(2)
+    if one is None:  # no C compiler with OpenMP here: nothing to measure, and the table says nothing
+        assert two is None
+        return
+    # a core does more than one scalar FMA per ns; two threads at most twice one (loosely: a shared host)
+    assert one > 2.0 and one * 0.8 < two < one * 2.5
