@@ -432,16 +432,30 @@ def _message_tool_fields(i: int, msg: dict[str, Any]) -> dict[str, Any]:
         raise invalid(exc.field, str(exc)) from None
 
 
+def parse_chat_tools(body: dict[str, Any]) -> list[Tool]:
+    """A chat body's `tools`, checked (an APIError naming the field); [] without any. /tokenize takes them
+    too, so that its ids are the ones the chat route renders."""
+    if body.get("tools") is None:
+        return []
+    from .engine.structured import StructuredOutputError
+    from .tools import parse_tools
+
+    try:
+        return parse_tools(body["tools"])
+    except StructuredOutputError as exc:
+        raise invalid(exc.field, str(exc)) from None
+
+
 def _tools(f: _Fields, auto_tool_choice: bool) -> tuple[list[Tool], ToolChoice | None, bool]:
     """tools, tool_choice (checked against the tools) and parallel_tool_calls."""
     parallel = f.boolean("parallel_tool_calls", True)
     if f.body.get("tools") is None and f.body.get("tool_choice") in (None, "none"):
         return [], None, parallel
+    tools = parse_chat_tools(f.body)
     from .engine.structured import StructuredOutputError
-    from .tools import parse_tool_choice, parse_tools
+    from .tools import parse_tool_choice
 
     try:
-        tools = parse_tools(f.body.get("tools"))
         return tools, parse_tool_choice(f.body.get("tool_choice"), tools, auto_enabled=auto_tool_choice), parallel
     except StructuredOutputError as exc:
         raise invalid(exc.field, str(exc)) from None

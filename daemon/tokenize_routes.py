@@ -1,8 +1,9 @@
 """POST /tokenize and /detokenize, in vLLM's shapes, at the server root.
 
 tokenize:   {model, prompt, add_special_tokens=true}
-          | {model, messages, add_generation_prompt=true, continue_final_message=false,
+          | {model, messages, tools, add_generation_prompt=true, continue_final_message=false,
              add_special_tokens=false}                    -> {count, max_model_len, tokens[, token_strs]}
+            (tools as on /v1/chat/completions: the ids are the ones a chat request with them is given)
 detokenize: {model, tokens}                               -> {prompt}
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from .async_engine import AsyncEngine
-from .protocol import APIError, invalid, parse_messages
+from .protocol import APIError, invalid, parse_chat_tools, parse_messages
 from .request_body import read_json_body
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
@@ -26,6 +27,7 @@ class TokenizeRequest:
     model: str | None
     prompt: str | None
     messages: list[dict[str, Any]] | None
+    tools: list[Any]
     add_special_tokens: bool
     add_generation_prompt: bool
     continue_final_message: bool
@@ -47,12 +49,14 @@ def parse_tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
     if has_prompt == has_messages:
         raise invalid("prompt", "send exactly one of 'prompt' or 'messages'", "missing_required_parameter")
     prompt = messages = None
+    tools: list[Any] = []
     if has_prompt:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise invalid("prompt", "'prompt' must be a string", "invalid_type")
     else:
         messages = parse_messages(body["messages"])
+        tools = parse_chat_tools(body)
     add_gen = _opt(body, "add_generation_prompt", bool, True)
     cont = _opt(body, "continue_final_message", bool, False)
     if messages is not None and cont:
@@ -63,7 +67,7 @@ def parse_tokenize_request(body: dict[str, Any]) -> TokenizeRequest:
             raise invalid("continue_final_message", "'continue_final_message' needs a final assistant message")
     # the chat template already holds the special tokens; a plain prompt gets them added
     special = _opt(body, "add_special_tokens", bool, messages is None)
-    return TokenizeRequest(model, prompt, messages, special, add_gen, cont,
+    return TokenizeRequest(model, prompt, messages, tools, special, add_gen, cont,
                            _opt(body, "return_token_strs", bool, False))
 
 
@@ -84,7 +88,7 @@ class TokenizeRoutes:
     model names and the chat template behave exactly as on /v1/chat/completions."""
 
     def __init__(self, engine: AsyncEngine, check_model: Callable[[str | None], None],
-                 chat_prompt: Callable[[list[dict[str, Any]], bool, bool], str]) -> None:
+                 chat_prompt: Callable[[list[dict[str, Any]], bool, bool, list[Any]], str]) -> None:
         self.engine = engine
         self.check_model = check_model
         self.chat_prompt = chat_prompt
@@ -96,7 +100,7 @@ class TokenizeRoutes:
         tok = self.engine.tokenizer
         text = req.prompt
         if req.messages is not None:
-            text = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+            text = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
         ids = list(tok.encode(text, add_special_tokens=req.add_special_tokens)) if text else []
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         if req.return_token_strs:

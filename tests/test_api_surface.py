@@ -76,6 +76,20 @@ def test_tokenize_detokenize_round_trip(root, client):
     assert no_gen < chat.usage.prompt_tokens
 
 
+def test_tokenize_with_tools_counts_what_a_chat_request_with_them_is_billed(root, client):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    chat = client.chat.completions.create(model=NAME, messages=msgs, tools=[weather], max_tokens=1,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    with_tools = tokenize(root, messages=msgs, tools=[weather])["count"]
+    assert with_tools == chat.usage.prompt_tokens
+    assert with_tools > tokenize(root, messages=msgs)["count"]  # the tools are in the prompt
+    with pytest.raises(openai.BadRequestError) as e:
+        tokenize(root, messages=msgs, tools=[{"type": "function"}])
+    assert e.value.body["param"].startswith("tools")
+
+
 def test_tokenize_errors_and_auth(daemon, root):
     for body, param in (({"prompt": 5}, "prompt"), ({}, "prompt"), ({"prompt": "x", "model": "nope"}, "model")):
         with pytest.raises(openai.APIStatusError) as e:
