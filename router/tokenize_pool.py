@@ -30,10 +30,6 @@ INLINE_CHARS = 1024
 PENDING_PER_THREAD = 4
 
 
-def default_max_pending(threads: int) -> int:
-    return PENDING_PER_THREAD * threads
-
-
 @dataclass(frozen=True)
 class Tokens:
     ids: list[int] | None  # None: nothing to route by
@@ -51,7 +47,7 @@ class TokenizePool:
             raise ValueError("threads, inline_chars and max_pending must be >= 0")
         self.hasher = hasher
         self.inline_chars = inline_chars
-        self.max_pending = default_max_pending(threads) if max_pending is None else max_pending
+        self.max_pending = PENDING_PER_THREAD * threads if max_pending is None else max_pending
         # texts submitted and not yet done: taken on the event loop, given back by the future's done
         # callback (on a worker thread, or on the loop when a queued one is cancelled), hence the lock
         self._pending = 0
