@@ -178,7 +178,7 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
                            ("silu_mul_f32", [p, i64, i32, i32, p, i32]),
                            ("rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32]),
                            ("pack_panels_f32", [p, i64, i32, i32, p, i32]),
-                           ("panel_gemm_f32", [p, i64, p, p, p, i64, i32, i32, i32, i32])):
+                           ("panel_gemm_f32", [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32])):
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = argtypes
         fn.restype = None
@@ -285,25 +285,29 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x @ weight.T (+ bias)`` for float32 CPU rows ``x`` [M, K] and ``panels = pack_panels(weight)`` of an
-    ``[n, K]`` weight, reading the weight once per call; None where the kernel is unavailable or the
-    tensors do not fit together (use torch then). Meant for the few rows of a decode step (see the C
-    source); ``panel_gemm_max_rows`` says up to how many rows it beats a library GEMM here."""
+def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``residual + x @ weight.T (+ bias)`` (no residual: the product alone) for float32 CPU rows ``x``
+    [M, K] and ``panels = pack_panels(weight)`` of an ``[n, K]`` weight, reading the weight once per call;
+    None where the kernel is unavailable or the tensors do not fit together (use torch then). Meant for
+    the few rows of a decode step (see the C source); ``panel_gemm_max_rows`` says up to how many rows it
+    beats a library GEMM here. The residual (float32 rows ``[M, n]``) is added per tile as it is stored."""
     if (not _rows_f32(x) or panels.dim() != 3 or not panels.is_cpu or panels.dtype is not torch.float32
             or not panels.is_contiguous()
             or panels.shape[1] != x.shape[1] or panels.shape[2] != _panel_width()
             or panels.shape[0] != -(-n // panels.shape[2])
             or (bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.is_contiguous()
-                                          and bias.shape == (n,)))):
+                                          and bias.shape == (n,)))
+            or (residual is not None and not (_rows_f32(residual) and residual.shape == (x.shape[0], n)))):
         return None
     fn = _row_kernel("panel_gemm_f32")
     if fn is None:
         return None
     out = x.new_empty((x.shape[0], n))
     if x.shape[0]:
-        fn(x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-           out.stride(0), x.shape[0], n, x.shape[1], torch.get_num_threads())
+        fn(x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+           0 if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+           out.data_ptr(), out.stride(0), x.shape[0], n, x.shape[1], torch.get_num_threads())
     return out
 
 

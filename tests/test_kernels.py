@@ -898,6 +898,33 @@ def test_native_panel_gemm_matches_torch(rows, n, k, bias):
     assert cpu_native.panel_gemm(x[:, :-1], panels, n) is None  # K differs
     assert cpu_native.panel_gemm(x, panels, n + 32) is None  # panels of another weight
     assert cpu_native.panel_gemm(x, panels, n, torch.zeros(n + 1)) is None  # bias of the wrong length
+    # a residual (a strided view here) is added as the tiles are stored: exactly residual + the product
+    r = torch.randn(rows, n + 5, generator=g)[:, :n]
+    fused = cpu_native.panel_gemm(x, panels, n, b, residual=r)
+    assert fused is not None and torch.equal(fused, r + got)
+    assert cpu_native.panel_gemm(x, panels, n, b, residual=r[:, :-1]) is None  # residual of the wrong width
+    assert cpu_native.panel_gemm(x, panels, n, b, residual=r.double()) is None
+
+
+@pytest.mark.parametrize("prepacked", [True, False])
+@pytest.mark.parametrize("rows", [2, 100, 700])
+def test_linear_with_residual_matches_separate_add(prepacked, rows):
+    # the layer's residual adds go into the GEMM (panels for small steps, oneDNN's binary post-op beyond,
+    # torch where neither applies): the same values as adding after it
+    from kvpilot.daemon.engine.models.linear import linear, prepack, prepack_supported
+    from kvpilot.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g) / 8
+    b = torch.randn(96, generator=g)
+    x, r = torch.randn(rows, 64, generator=g), torch.randn(rows, 96, generator=g)
+    if prepacked and not prepack_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN in this torch build")
+    weight = prepack(w) if prepacked else w
+    panels = cpu_native.pack_panels(w) if prepacked else None
+    expected = r + torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(linear(x, weight, b, panels, residual=r), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x, weight, b, panels), expected - r, atol=1e-5, rtol=1e-5)
 
 
 @needs_cc

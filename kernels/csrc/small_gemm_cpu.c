@@ -1,4 +1,4 @@
-/* y = x · wᵀ (+ bias) for the few rows of a decode step, float32, over a weight packed in panels.
+/* y = x · wᵀ (+ bias) (+ residual) for the few rows of a decode step, float32, over a weight packed in panels.
  *
  * Why this exists: with 1-16 rows the product is bound by reading the weight once, and oneDNN's
  * packed GEMM reads it well below the host's streaming rate. A plain row-major weight does not stream
@@ -60,8 +60,8 @@ void kvpilot_pack_panels_f32(const float *w, int64_t w_stride, int N, int K, flo
     }
 }
 
-static void panel_share(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t ys,
-                        int M, int N, int K, int p_lo, int p_hi) {
+static void panel_share(const float *x, int64_t xs, const float *wp, const float *bias, const float *res,
+                        int64_t rs, float *y, int64_t ys, int M, int N, int K, int p_lo, int p_hi) {
     float out[PANEL_MB * PANEL];
     for (int p = p_lo; p < p_hi; p++) {
         const float *panel = wp + (int64_t)p * K * PANEL;
@@ -72,10 +72,16 @@ static void panel_share(const float *x, int64_t xs, const float *wp, const float
             panel_rows_n(xm, xs, mb, panel, K, out, PANEL, NULL);
             for (int m = 0; m < mb; m++) {
                 float *dst = y + (int64_t)(m0 + m) * ys + n0;
+                const float *acc = out + m * PANEL;
                 if (bias) {
-                    for (int j = 0; j < nc; j++) dst[j] = out[m * PANEL + j] + bias[n0 + j];
-                } else {
-                    memcpy(dst, out + m * PANEL, (size_t)nc * sizeof(float));
+                    for (int j = 0; j < nc; j++) dst[j] = acc[j] + bias[n0 + j];
+                    acc = dst;
+                }
+                if (res) {  /* the residual add, on the tile while it is in L1 */
+                    const float *r = res + (int64_t)(m0 + m) * rs + n0;
+                    for (int j = 0; j < nc; j++) dst[j] = acc[j] + r[j];
+                } else if (!bias) {
+                    memcpy(dst, acc, (size_t)nc * sizeof(float));
                 }
             }
         }
@@ -83,9 +89,9 @@ static void panel_share(const float *x, int64_t xs, const float *wp, const float
 }
 
 /* x [M, K] rows xs floats apart; wp from kvpilot_pack_panels_f32 of a [N, K] weight; bias [N] or NULL;
- * y [M, N] rows ys floats apart. */
-void kvpilot_panel_gemm_f32(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t ys,
-                            int M, int N, int K, int num_threads) {
+ * res [M, N] rows rs floats apart, added to the product (a residual), or NULL; y [M, N] rows ys floats apart. */
+void kvpilot_panel_gemm_f32(const float *x, int64_t xs, const float *wp, const float *bias, const float *res,
+                            int64_t rs, float *y, int64_t ys, int M, int N, int K, int num_threads) {
     const int panels = (N + PANEL - 1) / PANEL;
     if (num_threads < 1) num_threads = 1;
 #ifdef _OPENMP
@@ -93,10 +99,10 @@ void kvpilot_panel_gemm_f32(const float *x, int64_t xs, const float *wp, const f
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
-        if (lo < hi) panel_share(x, xs, wp, bias, y, ys, M, N, K, lo, hi);
+        if (lo < hi) panel_share(x, xs, wp, bias, res, rs, y, ys, M, N, K, lo, hi);
     }
 #else
     (void)num_threads;
-    panel_share(x, xs, wp, bias, y, ys, M, N, K, 0, panels);
+    panel_share(x, xs, wp, bias, res, rs, y, ys, M, N, K, 0, panels);
 #endif
 }

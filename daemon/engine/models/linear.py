@@ -73,14 +73,22 @@ def keep_panels(extra_bytes: int) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           panels: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that also takes a prepacked weight, and for small steps its panels when kept."""
+           panels: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that also takes a prepacked weight, and for small steps its panels when kept. With
+    ``residual`` (``[rows, out]``), ``residual + F.linear(...)``: the GEMM adds it as it writes its output,
+    which saves a pass over both, with the same results. Measured on 2 AVX-512 cores: 30 down projections
+    of 2048 rows 533 ms against 556 with the add apart; whole steps moved less than their noise."""
     if panels is not None and x.shape[0] <= small_batch_rows():
-        y = cpu_native.panel_gemm(x, panels, weight.shape[0], bias)
+        y = cpu_native.panel_gemm(x, panels, weight.shape[0], bias, residual)
         if y is not None:
             return y
     if weight.is_mkldnn:
         if not x.is_contiguous():
             x = x.contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # noqa: SLF001
-    return F.linear(x, weight, bias)
+        if residual is not None and residual.is_contiguous() and residual.dtype == x.dtype:
+            # oneDNN's binary post-op (inductor's CPU freezing fuses a residual add the same way)
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")  # noqa: SLF001
+        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # noqa: SLF001
+    else:
+        y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y

@@ -202,7 +202,7 @@ class LlamaDecoderLayer(nn.Module):
             max_context_len=meta.max_context_len,
             sliding_window=self.sliding_window,
         )
-        h = x + linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_panels)
+        h = linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_panels, residual=x)
 
         # SwiGLU MLP
         gu = linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias,
@@ -211,7 +211,7 @@ class LlamaDecoderLayer(nn.Module):
         if act is None:
             gate, up = gu.split(self.inter, dim=-1)
             act = F.silu(gate) * up
-        return h + linear(act, self.down_weight, self.down_bias, self.down_weight_panels)
+        return linear(act, self.down_weight, self.down_bias, self.down_weight_panels, residual=h)
 
 
 _GEMM_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
