@@ -7,7 +7,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from peers import fma_peak_gflops, make_workload, markdown, matmul_limit, workload_gflop  # noqa: E402
+from peers import (  # noqa: E402
+    fma_peak_gflops,
+    make_workload,
+    markdown,
+    matmul_limit,
+    warmup_prompts,
+    workload_gflop,
+)
 
 TINY = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10}
@@ -31,6 +38,16 @@ def test_limit_uses_the_better_sgemm_rate_and_the_workload_is_fixed() -> None:
     lim = matmul_limit(gflop=6000.0, seconds=100.0, sgemm_before=100.0, sgemm_after=120.0)
     assert lim["limit_s"] == 50.0 and lim["fraction_of_limit"] == 0.5
     assert make_workload("w96") == make_workload("w96") and len(make_workload("w48")) == 48
+
+
+def test_the_warm_up_fills_one_budget_with_prompts_the_workload_does_not_have() -> None:
+    # every engine runs it before its timed run: one full 2048-token step, the same ids on every call, and no
+    # prompt shared with the timed workload (a prefix cache could otherwise serve part of it)
+    warm = warmup_prompts()
+    assert warm == warmup_prompts() and sum(len(p) for p in warm) == 2048
+    assert all(100 <= t < 49152 for p in warm for t in p)
+    timed = {tuple(p[:16]) for p, _ in make_workload("w96")}
+    assert not timed & {tuple(p[:16]) for p in warm}
 
 
 def test_the_table_compares_kvpilot_only_with_rows_from_its_own_host() -> None:
