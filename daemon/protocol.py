@@ -488,8 +488,12 @@ def parse_messages(v: Any) -> list[dict[str, Any]]:
     return _messages(v)
 
 
-def parse_chat_request(body: dict[str, Any], *, auto_tool_choice: bool = False) -> ChatRequest:
-    """auto_tool_choice: the server parses tool calls out of free text (--enable-auto-tool-choice)."""
+def parse_chat_request(body: dict[str, Any], *, auto_tool_choice: bool = False,
+                       constraints: bool = True) -> ChatRequest:
+    """auto_tool_choice: the server parses tool calls out of free text (--enable-auto-tool-choice).
+    constraints=False leaves response_format and forced tool calls unparsed (``params.structured_outputs``
+    None), for callers that only render the prompt, such as the router: parsing a grammar loads xgrammar
+    and torch (2.4 s on the first one)."""
     f = _Fields(body)
     model = _model(f)
     messages = _messages(body.get("messages"))
@@ -513,7 +517,7 @@ def parse_chat_request(body: dict[str, Any], *, auto_tool_choice: bool = False) 
     if cont and messages[-1]["role"] != "assistant":
         raise invalid("continue_final_message", "'continue_final_message' needs a final assistant message")
     params = _common_sampling(f, n=n, max_tokens=max_tokens, logprobs=(top_logprobs or 0) if logprobs else None,
-                              structured=_chat_constraint(tools, tool_choice, parallel, body),
+                              structured=_chat_constraint(tools, tool_choice, parallel, body) if constraints else None,
                               extra_stop=_single_call_stop(tool_choice, bool(parallel)))
     return ChatRequest(model=model, messages=messages, params=params, stream=stream,
                        stream_options=stream_options, logprobs=logprobs, top_logprobs=top_logprobs or 0,

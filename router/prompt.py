@@ -104,6 +104,17 @@ class PromptHasher:
         True for the fast path; another tokenizer may say so with a `releases_gil` attribute."""
         return self._fast is not None or bool(getattr(self.tokenizer, "releases_gil", False))
 
+    def warm(self) -> None:
+        """Render and encode one chat with a tool call and a tool, as requests will: the tool modules'
+        import and the template's compile then happen at start, not on the event loop under the first
+        such request (about 50 ms with the builtin model)."""
+        self.token_ids("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "warm-up"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": "noop", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "ok"}],
+            "tools": [{"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}]})
+
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt tokens the daemon would compute; None when there is nothing to go by."""
         inp = self.prompt_input(path, body)
@@ -136,8 +147,10 @@ class PromptHasher:
 
     def _chat_text(self, body: dict[str, Any]) -> str:
         # auto_tool_choice: the template does not depend on tool_choice, and whether the daemons take "auto"
-        # is theirs to say; parsed strictly, every "auto" request would lose its affinity
-        req = parse_chat_request(body, auto_tool_choice=True)
+        # is theirs to say; parsed strictly, every "auto" request would lose its affinity. Constraints
+        # (response_format, forced tool calls) do not change the prompt either, and parsing them would load
+        # xgrammar and torch on the event loop: the daemon checks them.
+        req = parse_chat_request(body, auto_tool_choice=True, constraints=False)
         text = render_chat(self.tokenizer, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message)
         if not isinstance(text, str):

@@ -65,6 +65,7 @@ def build_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> w
     metrics = RouterMetrics()
     hasher = PromptHasher(tokenizer if tokenizer is not None else load_tokenizer(settings.tokenizer),
                           settings.block_size)
+    hasher.warm()
     app = web.Application(client_max_size=32 * 1024 * 1024)
     app[SETTINGS_KEY] = settings
     app[ENDPOINTS_KEY] = endpoints

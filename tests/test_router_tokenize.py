@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.daemon.protocol import parse_chat_request
+from kvpilot.daemon.protocol import APIError, parse_chat_request
 from kvpilot.daemon.serving import OpenAIServing
 from kvpilot.router.prompt import ByteTokenizer, PromptHasher, fast_encoder, load_tokenizer
 from kvpilot.router.tokenize_pool import PENDING_PER_THREAD, TokenizePool
@@ -239,6 +241,39 @@ def test_tools_go_into_the_template_as_the_daemon_puts_them(chat_body):
     if "tools" in chat_body:  # the tools are in the ids: without them the ids differ
         bare = {k: v for k, v in chat_body.items() if k not in ("tools", "tool_choice")}
         assert PromptHasher(tok).token_ids(CHAT, bare) != ids
+
+
+def test_tool_and_constrained_requests_load_no_grammar_engine_on_the_router():
+    # the router renders prompts only: a forced tool call or a response_format is the daemon's to parse,
+    # and parsing one here loaded xgrammar and torch on the event loop (0.24-0.26 s on the first request)
+    code = f"""
+import sys
+from kvpilot.router.prompt import ByteTokenizer, PromptHasher
+hasher = PromptHasher(ByteTokenizer())
+hasher.warm()
+tools = {TOOLS!r}
+for body in ({{"messages": [{{"role": "user", "content": "Hammers?"}}], "tools": tools, "tool_choice": "required"}},
+             {{"messages": [{{"role": "user", "content": "Hammers?"}}], "tools": tools,
+               "tool_choice": {{"type": "function", "function": {{"name": "stock"}}}}}},
+             {{"messages": [{{"role": "user", "content": "JSON"}}],
+               "response_format": {{"type": "json_schema", "json_schema": {{"name": "x", "schema": {{"type": "object"}}}}}}}}):
+    assert hasher.token_ids("/v1/chat/completions", body), body
+print(sorted(m for m in ("xgrammar", "torch") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_constraints_can_be_left_to_the_daemon():
+    chat = {"messages": [{"role": "user", "content": "Hammers?"}], "tools": TOOLS, "tool_choice": "required"}
+    assert parse_chat_request(chat).params.structured_outputs is not None  # the daemon's parse: a forced call's grammar
+    light = parse_chat_request(chat, constraints=False)
+    assert light.params.structured_outputs is None and light.tools == parse_chat_request(chat).tools
+    # the checks that do not parse grammars still run
+    with pytest.raises(APIError):
+        parse_chat_request({**chat, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                           constraints=False)
 
 
 @pytest.mark.slow  # loads transformers and the builtin model's tokenizer

@@ -13,10 +13,12 @@ import json
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jsonschema
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -122,6 +124,10 @@ class StructuredOutputSpec:
 
 
 def _to_grammar(spec: StructuredOutputSpec) -> xgr.Grammar:
+    # xgrammar (which imports torch, 2.4 s) only when a grammar is parsed: the tool-call schemas and the
+    # router's chat template import this module and never parse one
+    import xgrammar as xgr
+
     if spec.kind == "json_schema":
         return xgr.Grammar.from_json_schema(spec.payload, max_whitespace_cnt=MAX_JSON_WHITESPACE)
     if spec.kind == "json_object":
