@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 # torch is imported where it is used, not here: resolving a model's folder (resolve_model_path) is all a
-# process that only needs the tokenizer asks of this module (the router: 60 MB and 1 s without torch,
-# 310 MB and 2.8 s with it)
+# process that only needs the tokenizer asks of this module (a router with the builtin model's tokenizer:
+# 134 MB and 1.45 s to build without torch, 318 MB and 2.36 s with it)
 
 logger = logging.getLogger(__name__)
 
