@@ -243,11 +243,18 @@ def test_tools_go_into_the_template_as_the_daemon_puts_them(chat_body):
         assert PromptHasher(tok).token_ids(CHAT, bare) != ids
 
 
+def _heavy_modules_loaded_by(code: str, timeout: float) -> list[str]:
+    """Run `code` in a fresh interpreter; which of xgrammar and torch it left loaded."""
+    code += '\nimport json, sys\nprint(json.dumps(sorted(m for m in ("xgrammar", "torch") if m in sys.modules)))\n'
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_tool_and_constrained_requests_load_no_grammar_engine_on_the_router():
     # the router renders prompts only: a forced tool call or a response_format is the daemon's to parse,
     # and parsing one here loaded xgrammar and torch on the event loop (0.24-0.26 s on the first request)
     code = f"""
-import sys
 from kvpilot.router.prompt import ByteTokenizer, PromptHasher
 hasher = PromptHasher(ByteTokenizer())
 hasher.warm()
@@ -258,11 +265,8 @@ for body in ({{"messages": [{{"role": "user", "content": "Hammers?"}}], "tools":
              {{"messages": [{{"role": "user", "content": "JSON"}}],
                "response_format": {{"type": "json_schema", "json_schema": {{"name": "x", "schema": {{"type": "object"}}}}}}}}):
     assert hasher.token_ids("/v1/chat/completions", body), body
-print(sorted(m for m in ("xgrammar", "torch") if m in sys.modules))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert _heavy_modules_loaded_by(code, timeout=120) == []
 
 
 @pytest.mark.slow  # loads the builtin model's tokenizer in a fresh interpreter
@@ -271,14 +275,10 @@ def test_a_router_with_the_models_tokenizer_never_loads_torch():
     # torch would add 180 MB to every router replica (318 vs 134 MB measured) and a second to its start
     load_tokenizer("builtin://smollm2-135m")  # converts the GGUF once (that does need torch), here
     code = """
-import sys
 from kvpilot.router.server import RouterSettings, build_app
 build_app(RouterSettings(endpoints="http://127.0.0.1:9", tokenizer="builtin://smollm2-135m"))
-print(sorted(m for m in ("xgrammar", "torch") if m in sys.modules))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert _heavy_modules_loaded_by(code, timeout=300) == []
 
 
 def test_constraints_can_be_left_to_the_daemon():

@@ -22,7 +22,6 @@
  * rows than PANEL_MB go in groups over the same panel, which the first group has brought into L2.
  */
 #include <stdint.h>
-#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -73,15 +72,13 @@ static void panel_share(const float *x, int64_t xs, const float *wp, const float
             for (int m = 0; m < mb; m++) {
                 float *dst = y + (int64_t)(m0 + m) * ys + n0;
                 const float *acc = out + m * PANEL;
-                if (bias) {
-                    for (int j = 0; j < nc; j++) dst[j] = acc[j] + bias[n0 + j];
-                    acc = dst;
-                }
-                if (res) {  /* the residual add, on the tile while it is in L1 */
-                    const float *r = res + (int64_t)(m0 + m) * rs + n0;
-                    for (int j = 0; j < nc; j++) dst[j] = acc[j] + r[j];
-                } else if (!bias) {
-                    memcpy(dst, acc, (size_t)nc * sizeof(float));
+                /* the residual is added on the tile while it is in L1; the compiler unswitches the tests */
+                const float *r = res ? res + (int64_t)(m0 + m) * rs + n0 : NULL;
+                for (int j = 0; j < nc; j++) {
+                    float v = acc[j];
+                    if (bias) v += bias[n0 + j];
+                    if (r) v += r[j];
+                    dst[j] = v;
                 }
             }
         }
