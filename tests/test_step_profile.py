@@ -1,0 +1,39 @@
+"""bench/step_profile.py: the profiler runs the real engine's forward pass and leaves it as it found it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from kvpilot.daemon.engine import LLM
+from kvpilot.daemon.engine.models import llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from step_profile import decode_entries, prefill_entries, profile_shape  # noqa: E402
+
+
+def test_profiles_decode_and_prefill_and_restores_the_model(llm: LLM) -> None:
+    runner = llm.engine.runner
+    plain_linear = llama.linear
+    entries = decode_entries(batch=3, context=20, block_size=runner.block_size)
+    before = runner.execute(entries).clone()
+
+    decode = profile_shape(llm, entries, repeat=1, sched_ms=0.0)
+    # the same step after profiling: same logits (the profile rewrote the same cache slots with the same rows)
+    torch.testing.assert_close(runner.execute(entries), before)
+    prefill = profile_shape(llm, prefill_entries(num_seqs=2, length=40, block_size=runner.block_size),
+                            repeat=1, sched_ms=0.0)
+
+    for shape, tokens in ((decode, 3), (prefill, 80)):
+        assert shape["tokens"] == tokens
+        assert shape["step_ms"] > 0
+        # every GEMM family was seen by the timers (a wrapper that dropped an argument raises instead)
+        for kind in ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head"):
+            assert shape["ms"][kind] > 0, kind
+    assert decode["ms"]["decode_attention"] > 0
+    assert prefill["ms"]["prefill_attention"] > 0
+    assert llama.linear is plain_linear
+    assert "forward" not in vars(runner.model)
