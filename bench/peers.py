@@ -409,8 +409,8 @@ def host_isa() -> str:
 
 def markdown(all_results: dict[str, Any]) -> str:
     lines = ["# Peers (fp32 SmolLM2-135M, greedy, EOS ignored, random token-id prompts)", "",
-             "| workload | peer | output tok/s | seconds | start s | vs kvpilot | host | note |",
-             "|---|---|---:|---:|---:|---:|---|---|"]
+             "| workload | peer | output tok/s | seconds | start s | vs kvpilot | run | host | note |",
+             "|---|---|---:|---:|---:|---:|---|---|---|"]
     for wl, res in all_results.items():
         kvpilot = res["peers"].get("kvpilot", {})
         ours = kvpilot.get("output_tokens_per_s")
@@ -419,9 +419,10 @@ def markdown(all_results: dict[str, Any]) -> str:
                 lines.append(f"| {wl} | {peer} | failed | | | | | {r['error'][:120].replace('|', '/')} |")
                 continue
             tps = r["output_tokens_per_s"]
-            # A ratio across hosts compares machines, not systems: rows merged from another host get none.
-            same_host = r.get("host_isa") == kvpilot.get("host_isa")
-            rel = f"{ours / tps:.2f}x" if ours and peer != "kvpilot" and same_host else ""
+            # A ratio across runs compares machines (or hours of one shared machine), not systems: rows
+            # merged from an earlier run get none. Two hosts with the same vector extensions measured 2.3x apart.
+            same_run = r.get("run_id") is not None and r.get("run_id") == kvpilot.get("run_id")
+            rel = f"{ours / tps:.2f}x" if ours and peer != "kvpilot" and same_run else ""
             start = f"{r['start_s']:.1f}" if "start_s" in r else ""
             lim = r.get("matmul_limit")
             note = (f"{100 * lim['fraction_of_limit']:.0f}% of the matmul limit ({lim['gflop']:.0f} GFLOP at "
@@ -430,11 +431,13 @@ def markdown(all_results: dict[str, Any]) -> str:
                 note += (f"; {100 * lim['fraction_of_fma_peak']:.0f}% of the FMA peak ({lim['fma_peak_gflops']:.0f} "
                          f"GFLOP/s: {lim['fma_limit_s']:.1f} s at best)")
             host = r.get("host_isa", "not recorded")
-            lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | {host} | {note} |")
+            run = r.get("run_id", "not recorded")
+            lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | {run} | {host} | {note} |")
     lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster). The matmul limit is the run's "
               "matmul GFLOP (workload_gflop) at the best fp32 4096^3 sgemm rate measured in the same process "
-              "just before and after the run; the FMA peak is bench/fma_peak.c's rate on the same threads (no GEMM can pass it). 'host' is the CPU's vector extensions: AVX-512 hosts run fp32 matmuls "
-              "faster, so compare rows of one host only; a row from another host than kvpilot's gets no ratio."]
+              "just before and after the run; the FMA peak is bench/fma_peak.c's rate on the same threads (no GEMM can pass it). "
+              "'run' is when the run that measured the row started: only rows of kvpilot's own run get a ratio, since "
+              "the machines (and their neighbours) change between runs. 'host' is the CPU's vector extensions."]
     return "\n".join(lines) + "\n"
 
 
@@ -465,6 +468,7 @@ def main() -> None:
         "note": "peers ran one after another, each in its own process; this host is shared and noisy",
         "peers": {},
     }
+    run_id = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())  # the rows this run measures compare with each other
     with tempfile.TemporaryDirectory(prefix="kvpilot-work-") as tmp:
         work_file = Path(tmp) / "work.json"
         work_file.write_text(json.dumps(work))
@@ -482,6 +486,7 @@ def main() -> None:
             # merged files keep other peers' last figures: say when each one was taken
             r["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             r["host_isa"] = host_isa()
+            r["run_id"] = run_id
             result["peers"][peer] = r
             print(peer, json.dumps(r)[:400], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)

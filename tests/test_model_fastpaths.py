@@ -167,3 +167,23 @@ def test_malloc_settings_apply_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_malloc, "_done", False)
     monkeypatch.setenv("KVPILOT_MALLOC_TUNING", "0")
     assert host_malloc.keep_freed_memory() is False
+
+
+def test_large_logits_reuse_one_buffer_and_match_a_plain_lm_head() -> None:
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=256, num_kv_blocks=32)
+    model = llm.engine.runner.model
+    rows_over_32mib = (32 << 20) // (4 * model.vocab_size) + 30  # 200 rows of SmolLM2's 49152 ids
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(rows_over_32mib, model.hidden_size, generator=g)
+    first = model.compute_logits(hidden)
+    expected = linear(hidden, model.lm_head, None, model.lm_head_panels)
+    assert first.shape == (rows_over_32mib, model.vocab_size) and first.dtype == torch.float32
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-5)
+    # the next large step writes into the same memory: no fresh 38 MB mapping to fault in
+    second = model.compute_logits(hidden[:-10])
+    assert second.data_ptr() == first.data_ptr()
+    torch.testing.assert_close(second, expected[:-10], rtol=1e-5, atol=1e-5)
+    # small steps stay fresh tensors: a caller may keep those
+    small = model.compute_logits(hidden[:4])
+    assert small.data_ptr() != first.data_ptr()
+    torch.testing.assert_close(small, expected[:4], rtol=1e-5, atol=1e-5)
