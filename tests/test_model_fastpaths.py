@@ -9,6 +9,7 @@ import torch
 
 from kvpilot.daemon.engine import LLM, host_malloc
 from kvpilot.daemon.engine.models import linear as linear_module
+from kvpilot.daemon.engine.models import llama
 from kvpilot.daemon.engine.models.linear import (
     keep_panels,
     linear,
@@ -187,3 +188,28 @@ def test_large_logits_reuse_one_buffer_and_match_a_plain_lm_head() -> None:
     small = model.compute_logits(hidden[:4])
     assert small.data_ptr() != first.data_ptr()
     torch.testing.assert_close(small, expected[:4], rtol=1e-5, atol=1e-5)
+
+
+def test_the_mlp_in_row_slices_gives_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(model=MODEL, dtype="float32", max_model_len=256, num_kv_blocks=32)
+    runner = llm.engine.runner
+    lengths = (9, 7, 11)
+    entries = [SeqBatchEntry(token_ids=[(13 * i + 7 * s) % 40000 + 100 for i in range(n)], start_pos=0,
+                             block_table=[s], compute_logits=True) for s, n in enumerate(lengths)]
+    whole = runner.execute(entries).clone()
+    calls: list[int] = []
+    real_mlp = llama.LlamaDecoderLayer._mlp
+
+    def counted(self: llama.LlamaDecoderLayer, h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return real_mlp(self, h)
+
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_mlp", counted)
+    inter = runner.model.layers[0].inter
+    # "within malloc's reach" shrunk to 5 rows of gate|up output: the 27 rows go in 6 slices of 5 or fewer
+    monkeypatch.setattr(llama, "_FRESH_MAPPING_BYTES", 5 * 2 * inter * 4)
+    sliced = runner.execute(entries)
+    layers = len(runner.model.layers)
+    # the last layer runs its MLP on the 3 sampled rows only: one slice there
+    assert calls == [5, 5, 5, 5, 5, 2] * (layers - 1) + [3]
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
