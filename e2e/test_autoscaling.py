@@ -87,7 +87,16 @@ def test_3_load_stops_scales_in_after_delay_and_removed_pod_drains(e2e_run: Repo
     r.need("scale-down")
     mon, marks, cfg = r.monitor, r.marks, r.config
     t_stop, t_down = marks["load stops"], marks["scaled down"]
-    assert t_down - t_stop >= cfg.scale_down_delay, "scaled in before the scale-down delay passed"
+    # The delay runs from the operator's last want of two replicas, which may come before the load stops:
+    # once the second pod takes half the load, the pressure can fall below the scale-up mark while the heavy
+    # clients still run (seen: "ScaleDownDelayed" 1.2 s before the stop, scaled in 7.9 s after it). Every
+    # reason but these two records a want of at least the current count.
+    wanting = [s for s in mon.between(marks["scaled up"], t_down)
+               if s.replicas == 2 and s.reason not in ("ScaleDownDelayed", "ScaleDown")]
+    assert wanting, "no sample shows the operator holding two replicas"
+    # a status is at most one operator tick plus one monitor interval old when a sample reads it
+    staleness = cfg.metrics_interval + mon.interval
+    assert t_down - wanting[-1].t >= cfg.scale_down_delay - staleness, "scaled in before the scale-down delay passed"
     assert t_down - t_stop <= cfg.stable_window + cfg.scale_down_delay + 90
     downs = mon.events_with("ScaledDown")
     assert downs and "replicas 2 -> 1" in downs[-1].message, [e.message for e in downs]
