@@ -207,7 +207,7 @@ def test_the_mlp_in_row_slices_gives_the_same_logits(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(llama.LlamaDecoderLayer, "_mlp", counted)
     inter = runner.model.layers[0].inter
     # "within malloc's reach" shrunk to 5 rows of gate|up output: the 27 rows go in 6 slices of 5 or fewer
-    monkeypatch.setattr(llama, "_FRESH_MAPPING_BYTES", 5 * 2 * inter * 4)
+    monkeypatch.setattr(host_malloc, "MMAP_THRESHOLD_MAX", 5 * 2 * inter * 4)
     sliced = runner.execute(entries)
     layers = len(runner.model.layers)
     # the last layer runs its MLP on the 3 sampled rows only: one slice there

@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
+# glibc refuses a higher mmap threshold (HEAP_MAX_SIZE / 2 on 64-bit): a block above this is a fresh mapping
+# that page-faults all of itself in and is unmapped on free, whatever the settings (see row_slices)
+MMAP_THRESHOLD_MAX = 32 << 20
 _TRIM_THRESHOLD = 1 << 30
 _done = False
 
@@ -51,11 +53,22 @@ def keep_freed_memory() -> bool:
     if mallopt is None:  # not glibc
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+    ok = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
     if not ok:
         logger.info("mallopt refused the activation-buffer settings; malloc left as it is")
     _done = ok
     return ok
+
+
+def row_slices(rows: int, bytes_per_row: int) -> list[slice] | None:
+    """None when a ``[rows, ...]`` output of ``bytes_per_row`` a row stays within malloc's reach (at most
+    ``MMAP_THRESHOLD_MAX``); else equal slices of rows whose outputs each do, for an op whose rows are
+    independent to run slice by slice on blocks malloc keeps and hands out again."""
+    reach = max(1, MMAP_THRESHOLD_MAX // bytes_per_row)
+    if rows <= reach:
+        return None
+    size = -(-rows // -(-rows // reach))
+    return [slice(a, a + size) for a in range(0, rows, size)]
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents

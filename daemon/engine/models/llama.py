@@ -21,6 +21,7 @@ from torch import nn
 from kvpilot import kernels
 from kvpilot.kernels import cpu_native
 
+from ..host_malloc import row_slices
 from .base import AttentionMetadata, OutputRows
 from .linear import keep_panels, linear, prepack, prepack_supported
 
@@ -204,16 +205,15 @@ class LlamaDecoderLayer(nn.Module):
         )
         h = linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_panels, residual=x)
 
-        # SwiGLU MLP, on the CPU in slices of rows whose gate|up output stays within malloc's reach (rows are
-        # independent here): a larger one is a fresh mapping that faults in on every step. Measured on a
-        # random-weight model of Llama-3.2-1B's shape (4 layers; 128 MiB of gate|up at 2048 rows): 147k page
-        # faults every 2048-token step and 1.92-2.24 s a step, against none (once the heap has grown) and
-        # 1.80-2.01 s in four slices. SmolLM2's 24 MiB at 2048 rows stays whole.
-        rows_in_reach = max(1, _FRESH_MAPPING_BYTES // (2 * self.inter * h.element_size()))
-        if h.device.type == "cpu" and t > rows_in_reach:
-            size = -(-t // -(-t // rows_in_reach))  # equal slices, each within reach
-            return torch.cat([self._mlp(h[a : a + size]) for a in range(0, t, size)])
-        return self._mlp(h)
+        # SwiGLU MLP, on the CPU in slices of rows whose gate|up output stays within malloc's reach: a larger
+        # one is a fresh mapping that faults in on every step. Measured on a random-weight model of
+        # Llama-3.2-1B's shape (4 layers; 128 MiB of gate|up at 2048 rows): 147k page faults every 2048-token
+        # step and 1.92-2.24 s a step, against none (once the heap has grown) and 1.80-2.01 s in four
+        # slices. SmolLM2's 24 MiB at 2048 rows stays whole.
+        slices = row_slices(t, 2 * self.inter * h.element_size()) if h.device.type == "cpu" else None
+        if slices is None:
+            return self._mlp(h)
+        return torch.cat([self._mlp(h[rows]) for rows in slices])
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         """``h + down(SiLU(gate) * up)`` of the post-attention norm of ``h``."""
@@ -227,9 +227,6 @@ class LlamaDecoderLayer(nn.Module):
 
 
 _GEMM_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-# glibc serves an allocation above this with a fresh mapping and unmaps it on free (host_malloc raises its
-# threshold to this ceiling), so a tensor that large page-faults all of itself in on every step
-_FRESH_MAPPING_BYTES = 32 << 20
 
 
 def _panels_name(weight_name: str) -> str:
@@ -341,14 +338,14 @@ class LlamaForCausalLM(nn.Module):
         decode step's 100 ms LM head on 2 AVX-512 cores. Its rows are computed in slices below that size,
         whose outputs malloc keeps and hands out again."""
         rows = hidden.shape[0]
-        if self.device.type != "cpu" or rows * self.vocab_size * 4 <= _FRESH_MAPPING_BYTES:
+        slices = row_slices(rows, 4 * self.vocab_size) if self.device.type == "cpu" else None
+        if slices is None:
             return linear(hidden, self.lm_head, None, self.lm_head_panels).float()
         if self._logits_out is None or self._logits_out.shape[0] < rows:
             self._logits_out = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
         out = self._logits_out[:rows]
-        step = max(1, _FRESH_MAPPING_BYTES // (4 * self.vocab_size))
-        for a in range(0, rows, step):
-            out[a : a + step].copy_(linear(hidden[a : a + step], self.lm_head, None, self.lm_head_panels))
+        for part in slices:
+            out[part].copy_(linear(hidden[part], self.lm_head, None, self.lm_head_panels))
         return out
 
     # ------------------------------------------------------------------ prepacked weights
