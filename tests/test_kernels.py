@@ -528,10 +528,12 @@ def _float16_entry_point(monkeypatch) -> list[tuple[int, int]]:
 @needs_cc
 @pytest.mark.parametrize(
     "group,d,bs,window",
-    [(1, 64, 16, None), (3, 64, 16, None), (8, 128, 32, None), (3, 64, 32, 5), (2, 36, 16, 40), (2, 256, 16, None)],
+    [(1, 64, 16, None), (3, 64, 16, None), (8, 128, 32, None), (3, 64, 32, 5), (6, 64, 16, 7), (2, 36, 16, 40),
+     (2, 256, 16, None)],
 )
 def test_native_cpu_float16_cache(monkeypatch, group, d, bs, window):
-    # d=36 leaves a tail after the 8-wide F16C conversions; 256 takes the generic head-size path
+    # d=36 leaves a tail after the 8-wide F16C conversions; 36 and 256 take the plain loops, 64 and 128 the
+    # vector path (groups of 6 and 8: its V rows go to 4 heads at a time)
     from kvpilot.kernels import cpu_native
 
     ctx, ql = mixed_lens(bs)
