@@ -14,6 +14,11 @@ batch building. GFLOP/s counts 2*m*n*k per GEMM.
 
 Usage: python bench/step_profile.py [--repeat 3] [--context 192] [--quick]
 Writes bench/results/profile.json and bench/results/profile.md.
+
+``--run w96`` (or w48) profiles a whole ``bench/peers.py`` workload instead, through ``LLM.generate`` as
+peers.py times it: the same timers summed over every step of the run, plus "engine" (scheduling,
+sampling, outputs: the run minus ``execute``). The run is timed once without the timers first, so the
+JSON also says what they cost. Writes bench/results/profile_run_<workload>.json and .md.
 """
 
 # A profiler: it wraps the model's and the runner's private helpers on purpose.
@@ -41,7 +46,7 @@ from kvpilot.daemon.engine.sampling_params import SamplingParams
 from kvpilot.kernels import cpu_native, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import fma_peak_gflops  # noqa: E402
+from peers import fma_peak_gflops, make_workload, warmup_prompts  # noqa: E402
 from throughput import MODEL, bench_bookkeeping, cpu_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -192,6 +197,104 @@ def profile_shape(llm: LLM, entries: list[SeqBatchEntry], repeat: int, sched_ms:
     }
 
 
+RUN_CATEGORIES = [
+    "gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head", "prefill_attention", "decode_attention",
+    "kv_store", "attention_other", "norms", "rope/silu/residual/misc", "batch_building", "runner_python", "engine",
+]
+
+
+def profile_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """Where a whole run's time goes: ``work`` (prompt ids, output tokens) through ``LLM.generate``, greedy
+    with EOS ignored, once plain and once under the timers, each from an empty prefix cache."""
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    runner = llm.engine.runner
+
+    def generate() -> tuple[float, int]:
+        llm.engine.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    plain_s, _ = generate()
+    timers = Timers()
+    restore = instrument(llm, timers)
+    runner.execute = timers.wrap("execute", runner.execute)
+    try:
+        wall, output_tokens = generate()
+    finally:
+        restore()
+        del runner.execute  # the class method again
+    s = dict(timers.seconds)
+    forward, execute = s.pop("model_forward", 0.0), s.pop("execute", 0.0)
+    call = s.pop("attention_call", 0.0)
+    s["attention_other"] = max(0.0, call - s.get("decode_attention", 0.0) - s.get("prefill_attention", 0.0))
+    in_model = sum(v for k, v in s.items() if k not in ("lm_head", "batch_building"))
+    s["rope/silu/residual/misc"] = max(0.0, forward - in_model)
+    s["runner_python"] = max(0.0, execute - forward - s.get("lm_head", 0.0) - s.get("batch_building", 0.0))
+    s["engine"] = max(0.0, wall - execute)
+    seconds = {k: s.get(k, 0.0) for k in RUN_CATEGORIES}
+    gemms = ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head")
+    gemm_s = sum(seconds[k] for k in gemms)
+    return {
+        "requests": len(work),
+        "output_tokens": output_tokens,
+        "plain_s": plain_s,
+        "profiled_s": wall,
+        "seconds": seconds,
+        "pct": {k: 100 * v / wall for k, v in seconds.items()},
+        "gemm_gflops": {k: timers.flops[k] / seconds[k] / 1e9 for k in gemms if seconds[k]},
+        "gemm_gflops_all": sum(timers.flops[k] for k in gemms) / gemm_s / 1e9 if gemm_s else 0.0,
+    }
+
+
+def run_markdown(result: dict[str, Any]) -> str:
+    run = result["run"]
+    peak = result["matmul_peak"]
+    rates = run["gemm_gflops"]
+    lines = [
+        f"# kvpilot run profile: {result['workload']} ({result['machine']['cpu']}, {result['machine']['threads']} "
+        f"threads, fp32, {result['model']})",
+        "",
+        f"{run['requests']} requests, {run['output_tokens']} output tokens: {run['plain_s']:.2f} s without the "
+        f"timers, {run['profiled_s']:.2f} s with them (the shares below are of the timed run). fp32 matmul "
+        f"measured here: {peak['gflops']:.0f} GFLOP/s"
+        + (f"; the cores' FMA peak {fma:.0f} GFLOP/s." if (fma := peak.get("fma_peak_gflops")) else "."),
+        "",
+        "| component | s | % | GFLOP/s |",
+        "|---|---:|---:|---:|",
+    ]
+    lines.extend(f"| {k} | {run['seconds'][k]:.2f} | {run['pct'][k]:.1f} | "
+                 + (f"{rates[k]:.0f}" if k in rates else "") + " |" for k in RUN_CATEGORIES)
+    lines.append(f"| **all GEMMs** | {sum(run['seconds'][k] for k in rates):.2f} | "
+                 f"{sum(run['pct'][k] for k in rates):.1f} | {run['gemm_gflops_all']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main_run(workload: str, out: str) -> None:
+    """``--run``: one peers.py workload, warmed up as peers.py warms kvpilot."""
+    torch.set_num_threads(cpu_threads())
+    threads = torch.get_num_threads()
+    work = make_workload(workload)
+    llm = LLM(model=MODEL, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048)
+    llm.generate([{"prompt_token_ids": work[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in warmup_prompts()], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.engine.wait_for_kv_cache_mapped()
+    result = {
+        "machine": {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__,
+                    "cpu_attention": "native C" if cpu_native.available() else "torch reference"},
+        "model": MODEL,
+        "workload": workload,
+        "run": profile_run(llm, work),
+        "matmul_peak": matmul_peak(threads),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{out}.json").write_text(json.dumps(result, indent=2))
+    md = run_markdown(result)
+    (RESULTS / f"{out}.md").write_text(md)
+    print(md)
+
+
 def matmul_peak(threads: int) -> dict[str, float]:
     """The fp32 GEMM rate this box reaches on a large square matmul (the ceiling for the model's GEMMs)."""
     a = torch.randn(2048, 2048)
@@ -238,8 +341,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--quick", action="store_true", help="one run, batches 4 and 16 and a 512 chunk only")
-    ap.add_argument("--out", default="profile", help="basename of the JSON/markdown files in bench/results")
+    ap.add_argument("--out", default=None, help="basename of the JSON/markdown files in bench/results")
+    ap.add_argument("--run", choices=["w48", "w96"], default=None,
+                    help="profile a whole bench/peers.py workload run instead of single steps")
     args = ap.parse_args()
+    if args.run:
+        main_run(args.run, args.out or f"profile_run_{args.run}")
+        return
+    args.out = args.out or "profile"
     torch.set_num_threads(cpu_threads())
     threads = torch.get_num_threads()
     decode_sizes = [4, 16] if args.quick else [4, 16, 32, 96, 256]

@@ -12,7 +12,7 @@ from kvpilot.daemon.engine.models import llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from step_profile import decode_entries, prefill_entries, profile_shape  # noqa: E402
+from step_profile import RUN_CATEGORIES, decode_entries, prefill_entries, profile_run, profile_shape  # noqa: E402
 
 
 def test_profiles_decode_and_prefill_and_restores_the_model(llm: LLM) -> None:
@@ -37,3 +37,21 @@ def test_profiles_decode_and_prefill_and_restores_the_model(llm: LLM) -> None:
     assert prefill["ms"]["prefill_attention"] > 0
     assert llama.linear is plain_linear
     assert "forward" not in vars(runner.model)
+
+
+def test_profiles_a_whole_run_and_restores_the_runner(llm: LLM) -> None:
+    runner = llm.engine.runner
+    work = [([100 + i for i in range(40)], 3), ([7 * i + 11 for i in range(25)], 2)]
+    run = profile_run(llm, work)
+
+    assert run["requests"] == 2
+    assert run["output_tokens"] == 5  # EOS ignored: every request runs to its max_tokens
+    assert run["plain_s"] > 0 and run["profiled_s"] > 0
+    for kind in ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head", "prefill_attention",
+                 "decode_attention", "engine"):
+        assert run["seconds"][kind] > 0, kind
+    # the categories partition the timed run: nothing counted twice, nothing left out
+    assert abs(sum(run["seconds"][k] for k in RUN_CATEGORIES) - run["profiled_s"]) <= 0.01 * run["profiled_s"]
+    assert set(run["gemm_gflops"]) == {"gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head"}
+    assert "execute" not in vars(runner) and "forward" not in vars(runner.model)
+    assert llama.linear is not None and llama.linear.__module__ != "step_profile"
