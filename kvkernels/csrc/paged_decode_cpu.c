@@ -105,6 +105,30 @@ static inline int64_t first_block(const job_t *j, int seq) {
     return j->block_tables[(int64_t)seq * j->bt_stride + first_key(j, seq) / j->block_size] * block_elems;
 }
 
+/* A decode row's per-head state: the scaled queries, zero outputs, the online softmax's max and sum. */
+static inline __attribute__((always_inline)) void start_heads(const job_t *j, int row, const int H, const int D,
+                                                              float (*qs)[D], float (*acc)[D], float *m, float *l) {
+    for (int h = 0; h < H; h++) {
+        const float *src = j->q + (int64_t)row * j->q_row_stride + (int64_t)h * D;
+        for (int d = 0; d < D; d++) {
+            qs[h][d] = src[d] * j->scale;
+            acc[h][d] = 0.0f;
+        }
+        m[h] = -FLT_MAX;  /* not -inf: built with -ffast-math, which assumes finite values */
+        l[h] = 0.0f;
+    }
+}
+
+/* The row's output: each head's accumulated rows over its softmax sum. */
+static inline __attribute__((always_inline)) void finish_heads(const job_t *j, int row, const int H, const int D,
+                                                               float (*acc)[D], const float *l) {
+    for (int h = 0; h < H; h++) {
+        float *dst = j->out + ((int64_t)row * H + h) * D;
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int d = 0; d < D; d++) dst[d] = acc[h][d] * inv;
+    }
+}
+
 /* Inlined once per common head size and cache type, so that the inner loops have constant trip
  * counts and unroll into straight vector code. */
 static inline __attribute__((always_inline)) void attend_seq_d(const job_t *j, int seq, int next_seq,
@@ -116,15 +140,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(const job_t *j, i
     /* state for every head: a block (all kv heads of block_size tokens) is read once, in order */
     float qs[H][D], acc[H][D], scores[H][BS], m[H], l[H], row_buf[D];
 
-    for (int h = 0; h < H; h++) {
-        const float *src = j->q + (int64_t)row * j->q_row_stride + (int64_t)h * D;
-        for (int d = 0; d < D; d++) {
-            qs[h][d] = src[d] * j->scale;
-            acc[h][d] = 0.0f;
-        }
-        m[h] = -FLT_MAX;  /* not -inf: built with -ffast-math, which assumes finite values */
-        l[h] = 0.0f;
-    }
+    start_heads(j, row, H, D, qs, acc, m, l);
     const int start = first_key(j, seq);
     const int32_t *table = j->block_tables + (int64_t)seq * j->bt_stride;
     for (int blk = start / BS; blk * BS < ctx; blk++) {
@@ -172,11 +188,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(const job_t *j, i
             }
         }
     }
-    for (int h = 0; h < H; h++) {
-        float *dst = j->out + ((int64_t)row * H + h) * D;
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int d = 0; d < D; d++) dst[d] = acc[h][d] * inv;
-    }
+    finish_heads(j, row, H, D, acc, l);
 }
 
 static inline __attribute__((always_inline)) void attend_seq_kv(const job_t *j, int seq, int next_seq,
@@ -337,15 +349,7 @@ static inline __attribute__((always_inline)) void attend_seq_f16(const job_t *j,
     const int64_t token_stride = (int64_t)KVH * D;  /* elements from one token's rows to the next's */
     float qs[NH][D], acc[NH][D], scores[NH][BS], correction[NH], m[NH], l[NH], kbuf[BS][W], vbuf[BS][W];
 
-    for (int h = 0; h < NH; h++) {
-        const float *src = j->q + (int64_t)row * j->q_row_stride + (int64_t)h * D;
-        for (int d = 0; d < D; d++) {
-            qs[h][d] = src[d] * j->scale;
-            acc[h][d] = 0.0f;
-        }
-        m[h] = -FLT_MAX;  /* not -inf: built with -ffast-math, which assumes finite values */
-        l[h] = 0.0f;
-    }
+    start_heads(j, row, NH, D, qs, acc, m, l);
     const int start = first_key(j, seq);
     const int32_t *table = j->block_tables + (int64_t)seq * j->bt_stride;
     for (int blk = start / BS; blk * BS < ctx; blk++) {
@@ -392,11 +396,7 @@ static inline __attribute__((always_inline)) void attend_seq_f16(const job_t *j,
             }
         }
     }
-    for (int h = 0; h < NH; h++) {
-        float *dst = j->out + ((int64_t)row * j->num_heads + h) * D;
-        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int d = 0; d < D; d++) dst[d] = acc[h][d] * inv;
-    }
+    finish_heads(j, row, NH, D, acc, l);
 }
 
 static void attend_seq_vec(const job_t *j, int seq, int next_seq) {
