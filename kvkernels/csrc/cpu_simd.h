@@ -1,5 +1,6 @@
-/* What the native CPU kernels share: which instruction sets this build may use, and the AVX2
- * helpers (a vectorized exp and horizontal reductions). Every kernel has a plain-C path for builds
+/* What the native CPU kernels share: which instruction sets this build may use, the AVX2
+ * helpers (a vectorized exp and horizontal reductions) and the attention kernels' online-softmax step.
+ * Every kernel has a plain-C path for builds
  * without AVX2 + FMA (tested with -mno-avx2 -mno-fma). */
 #ifndef KVPILOT_CPU_SIMD_H
 #define KVPILOT_CPU_SIMD_H
@@ -9,6 +10,8 @@
 #else
 #define USE_AVX2 0
 #endif
+#include <float.h>
+#include <math.h>
 #if USE_AVX2 || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -54,5 +57,65 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 #endif
+
+/* One row's online-softmax step over n scores (n a multiple of 8; the prefill kernel's key tiles, the decode
+ * kernel's blocks): s[jlo..jhi) become weights e^(s - new max), every other entry of s[0..n) becomes 0; the
+ * running max m and sum l move on and corr is what the row's earlier output must be scaled by (0 on its
+ * first step: m starts at -FLT_MAX). */
+static inline void online_softmax(float *s, const int n, int jlo, int jhi, float *m, float *l, float *corr) {
+#if USE_AVX2
+    const int nv = (jhi + 7) / 8;  /* vectors holding a visible key; the rest become 0 */
+    const __m256 floor = _mm256_set1_ps(-FLT_MAX);
+    __m256 vmax = floor;
+    if (jlo == 0 && jhi == n) {  /* the common case: every score is visible */
+        for (int v = 0; v < n / 8; v++) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + 8 * v));
+        const float new_max = fmaxf(hmax8(vmax), *m);
+        const __m256 mx = _mm256_set1_ps(new_max);
+        __m256 sum = _mm256_setzero_ps();
+        for (int v = 0; v < n / 8; v++) {
+            const __m256 w = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * v), mx));
+            _mm256_storeu_ps(s + 8 * v, w);
+            sum = _mm256_add_ps(sum, w);
+        }
+        *corr = expf(*m - new_max);  /* 0 on a row's first tile */
+        *l = *l * *corr + hsum8(sum);
+        *m = new_max;
+        return;
+    }
+    const __m256 idx0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 lo = _mm256_set1_ps((float)jlo - 0.5f), hi = _mm256_set1_ps((float)jhi - 0.5f);
+    for (int v = 0; v < nv; v++) {
+        const __m256 idx = _mm256_add_ps(idx0, _mm256_set1_ps((float)(8 * v)));
+        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(idx, lo, _CMP_GT_OQ), _mm256_cmp_ps(idx, hi, _CMP_LT_OQ));
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(floor, _mm256_loadu_ps(s + 8 * v), in));
+    }
+    const float new_max = fmaxf(hmax8(vmax), *m);
+    const __m256 mx = _mm256_set1_ps(new_max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int v = 0; v < nv; v++) {
+        const __m256 idx = _mm256_add_ps(idx0, _mm256_set1_ps((float)(8 * v)));
+        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(idx, lo, _CMP_GT_OQ), _mm256_cmp_ps(idx, hi, _CMP_LT_OQ));
+        const __m256 w = _mm256_and_ps(exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * v), mx)), in);
+        _mm256_storeu_ps(s + 8 * v, w);
+        sum = _mm256_add_ps(sum, w);
+    }
+    for (int v = nv; v < n / 8; v++) _mm256_storeu_ps(s + 8 * v, _mm256_setzero_ps());
+    const float total = hsum8(sum);
+#else
+    float tile_max = -FLT_MAX;
+    for (int j = jlo; j < jhi; j++) tile_max = s[j] > tile_max ? s[j] : tile_max;
+    const float new_max = tile_max > *m ? tile_max : *m;
+    float total = 0.0f;
+    for (int j = 0; j < n; j++) {
+        const float w = (j >= jlo && j < jhi) ? expf(s[j] - new_max) : 0.0f;
+        s[j] = w;
+        total += w;
+    }
+#endif
+    *corr = expf(*m - new_max);  /* 0 on a row's first tile */
+    *l = *l * *corr + total;
+    *m = new_max;
+}
+
 
 #endif

@@ -283,30 +283,6 @@ static inline __attribute__((always_inline)) vec_t key_scores(const vec_t *q, co
 }
 #endif
 
-/* Softmax weights of one block for one head: scores[t0..t1) become e^(s - new max), and the head's
- * running max and sum move on. Returns the factor its earlier output row is to be scaled by. */
-static inline float block_weights(float *scores, int t0, int t1, float *m, float *l) {
-    float block_max = -FLT_MAX;
-    for (int t = t0; t < t1; t++) block_max = scores[t] > block_max ? scores[t] : block_max;
-    const float new_max = block_max > *m ? block_max : *m;
-    const float correction = expf(*m - new_max);  /* 0 on the first block */
-    const __m256 mx = _mm256_set1_ps(new_max);
-    float sum = 0.0f;
-    int t = t0;
-    for (; t + 8 <= t1; t += 8) {
-        const __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mx));
-        _mm256_storeu_ps(scores + t, p);
-        sum += hsum8(p);
-    }
-    for (; t < t1; t++) {
-        scores[t] = expf(scores[t] - new_max);
-        sum += scores[t];
-    }
-    *l = *l * correction + sum;
-    *m = new_max;
-    return correction;
-}
-
 /* acc[h] = acc[h] * correction[h] + the sum over t in [t0, t1) of w[h][t] * V[t], for n heads (a
  * constant at each call): each V row is loaded once for all of them, and their n * NV accumulators are
  * independent FMA chains (one head's alone would wait on FMA latency at NV = 4). */
@@ -382,7 +358,7 @@ static inline __attribute__((always_inline)) void attend_seq_f16(const job_t *j,
             for (int v = 0; v < NV; v++) q[v] = VEC_LOAD(&qs[h][v * VW]);
             for (int t = 0; t < BS; t += VW) VEC_STORE(&scores[h][t], key_scores(q, NV, &kbuf[t][h / G * D], W));
         }
-        for (int h = 0; h < NH; h++) correction[h] = block_weights(scores[h], t0, t1, &m[h], &l[h]);
+        for (int h = 0; h < NH; h++) online_softmax(scores[h], BS, t0, t1, &m[h], &l[h], &correction[h]);
         for (int kv = 0; kv < KVH; kv++) {
             for (int g = 0; g < G; g += PV_HEADS) {
                 const int h = kv * G + g;

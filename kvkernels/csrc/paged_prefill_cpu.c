@@ -123,64 +123,6 @@ static void load_tile(const prefill_t *p, const chunk_t *c, int kvh, int tile, f
     }
 }
 
-/* One row's online-softmax step over a tile: scores s[jlo..jhi) become weights, every other entry of
- * s[0..KT) becomes 0; the running max m and sum l are updated and corr is what the row's output must be
- * scaled by. */
-static inline void softmax_row(float *s, int jlo, int jhi, float *m, float *l, float *corr) {
-#if USE_AVX2
-    const int nv = (jhi + 7) / 8;  /* vectors holding a visible key; the rest become 0 */
-    const __m256 floor = _mm256_set1_ps(-FLT_MAX);
-    __m256 vmax = floor;
-    if (jlo == 0 && jhi == KT) {  /* the common case: the whole tile is visible */
-        for (int v = 0; v < KT / 8; v++) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + 8 * v));
-        const float new_max = fmaxf(hmax8(vmax), *m);
-        const __m256 mx = _mm256_set1_ps(new_max);
-        __m256 sum = _mm256_setzero_ps();
-        for (int v = 0; v < KT / 8; v++) {
-            const __m256 w = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * v), mx));
-            _mm256_storeu_ps(s + 8 * v, w);
-            sum = _mm256_add_ps(sum, w);
-        }
-        *corr = expf(*m - new_max);  /* 0 on a row's first tile */
-        *l = *l * *corr + hsum8(sum);
-        *m = new_max;
-        return;
-    }
-    const __m256 idx0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 lo = _mm256_set1_ps((float)jlo - 0.5f), hi = _mm256_set1_ps((float)jhi - 0.5f);
-    for (int v = 0; v < nv; v++) {
-        const __m256 idx = _mm256_add_ps(idx0, _mm256_set1_ps((float)(8 * v)));
-        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(idx, lo, _CMP_GT_OQ), _mm256_cmp_ps(idx, hi, _CMP_LT_OQ));
-        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(floor, _mm256_loadu_ps(s + 8 * v), in));
-    }
-    const float new_max = fmaxf(hmax8(vmax), *m);
-    const __m256 mx = _mm256_set1_ps(new_max);
-    __m256 sum = _mm256_setzero_ps();
-    for (int v = 0; v < nv; v++) {
-        const __m256 idx = _mm256_add_ps(idx0, _mm256_set1_ps((float)(8 * v)));
-        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(idx, lo, _CMP_GT_OQ), _mm256_cmp_ps(idx, hi, _CMP_LT_OQ));
-        const __m256 w = _mm256_and_ps(exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + 8 * v), mx)), in);
-        _mm256_storeu_ps(s + 8 * v, w);
-        sum = _mm256_add_ps(sum, w);
-    }
-    for (int v = nv; v < KT / 8; v++) _mm256_storeu_ps(s + 8 * v, _mm256_setzero_ps());
-    const float total = hsum8(sum);
-#else
-    float tile_max = -FLT_MAX;
-    for (int j = jlo; j < jhi; j++) tile_max = s[j] > tile_max ? s[j] : tile_max;
-    const float new_max = tile_max > *m ? tile_max : *m;
-    float total = 0.0f;
-    for (int j = 0; j < KT; j++) {
-        const float w = (j >= jlo && j < jhi) ? expf(s[j] - new_max) : 0.0f;
-        s[j] = w;
-        total += w;
-    }
-#endif
-    *corr = expf(*m - new_max);  /* 0 on a row's first tile */
-    *l = *l * *corr + total;
-    *m = new_max;
-}
-
 static void run_task(const prefill_t *p, const chunk_t *c, const task_t *t, const float *scratch) {
     const int D = p->head_dim, DP = padded_dim(D), H = p->num_heads, KVH = p->num_kv_heads, G = H / KVH;
     const int rows = (t->q1 - t->q0) * G;
@@ -224,7 +166,7 @@ static void run_task(const prefill_t *p, const chunk_t *c, const task_t *t, cons
         for (int r = r0; r < r1; r++) {
             /* keys [jlo, jhi) of the tile are visible to row r: at least one, see r0/r1 */
             const int jlo = lo[r] > k0 ? lo[r] - k0 : 0;
-            softmax_row(s + (int64_t)r * KT, jlo, VISIBLE(r), &m[r], &l[r], &corr[r]);
+            online_softmax(s + (int64_t)r * KT, KT, jlo, VISIBLE(r), &m[r], &l[r], &corr[r]);
         }
         for (int r = r0; r < r1; r += PANEL_MB) {  /* o[r] = o[r] * corr[r] + sum_j w[r][j] * v[j] */
             const int mb = r1 - r < PANEL_MB ? r1 - r : PANEL_MB, keys = VISIBLE(r + mb - 1);
