@@ -355,6 +355,26 @@ def run_in_repo_venv(peer: str, work_file: Path, threads: int) -> dict[str, Any]
         return json.loads(out.read_text())
 
 
+# kvpilot's engine settings for the workloads (its variants change one of them)
+KVPILOT_SETTINGS: dict[str, Any] = {"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+
+
+def warm_up_kvpilot(llm: Any, first_prompt: list[int]) -> float:
+    """What precedes every timed kvpilot run: one request of the workload, one full token budget of other
+    prompts (as vLLM runs while it starts), an empty prefix cache, and the whole KV cache mapped in (vLLM
+    zero-fills its own while it starts; kvpilot maps its in on a background thread,
+    host_malloc.PagePopulation, which would otherwise share the timed run's cores). Returns the seconds
+    spent waiting for that mapping."""
+    from kvpilot.daemon.engine import SamplingParams
+
+    llm.generate([{"prompt_token_ids": first_prompt}], SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in warmup_prompts()], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.engine.reset_prefix_cache()
+    t_map = time.perf_counter()
+    llm.engine.wait_for_kv_cache_mapped()
+    return time.perf_counter() - t_map
+
+
 def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[str, Any]:
     import torch
 
@@ -363,18 +383,9 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
         t0 = time.perf_counter()
         from kvpilot.daemon.engine import LLM, SamplingParams
 
-        llm = LLM(model=MODEL, **{"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048,
-                                  **KVPILOT_VARIANTS[peer]})
+        llm = LLM(model=MODEL, **{**KVPILOT_SETTINGS, **KVPILOT_VARIANTS[peer]})
         start_s = time.perf_counter() - t0
-        llm.generate([{"prompt_token_ids": work[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        llm.generate([{"prompt_token_ids": p} for p in warmup_prompts()], SamplingParams(max_tokens=2),
-                     use_tqdm=False)  # and one full budget, as vLLM runs while it starts
-        llm.engine.reset_prefix_cache()
-        # vLLM zero-fills its KV cache while it starts; kvpilot maps its cache in on a background thread
-        # (host_malloc.PagePopulation), which would otherwise share the timed run's cores
-        t_map = time.perf_counter()
-        llm.engine.wait_for_kv_cache_mapped()
-        kv_mapped_wait_s = time.perf_counter() - t_map
+        kv_mapped_wait_s = warm_up_kvpilot(llm, work[0][0])
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
         sgemm_before = sgemm_gflops()
         t0 = time.perf_counter()

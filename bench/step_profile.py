@@ -46,7 +46,7 @@ from kvpilot.daemon.engine.sampling_params import SamplingParams
 from kvpilot.kernels import cpu_native, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import fma_peak_gflops, make_workload, warmup_prompts  # noqa: E402
+from peers import KVPILOT_SETTINGS, fma_peak_gflops, make_workload, warm_up_kvpilot  # noqa: E402
 from throughput import MODEL, bench_bookkeeping, cpu_name  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -55,6 +55,7 @@ CATEGORIES = [
     "kv_store", "attention_other", "norms", "rope/silu/residual/misc", "batch_building", "runner_python",
     "sampler", "scheduler+kv_bookkeeping",
 ]
+GEMMS = ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head")
 
 
 class Timers:
@@ -148,6 +149,20 @@ def prefill_entries(num_seqs: int, length: int, block_size: int) -> list[SeqBatc
     ]
 
 
+def split_execute(timed: dict[str, float], execute_s: float) -> dict[str, float]:
+    """The timers' seconds over one or more ``execute`` calls (``execute_s`` in all) as the profile's
+    categories: the untimed rest of the forward is RoPE/SiLU/residual glue, of ``execute`` the runner's
+    Python, and of the attention call what its kernels did not take."""
+    s = dict(timed)
+    forward = s.pop("model_forward", 0.0)
+    call = s.pop("attention_call", 0.0)
+    s["attention_other"] = max(0.0, call - s.get("decode_attention", 0.0) - s.get("prefill_attention", 0.0))
+    in_model = sum(v for k, v in s.items() if k not in ("lm_head", "batch_building"))
+    s["rope/silu/residual/misc"] = max(0.0, forward - in_model)
+    s["runner_python"] = max(0.0, execute_s - forward - s.get("lm_head", 0.0) - s.get("batch_building", 0.0))
+    return s
+
+
 def profile_shape(llm: LLM, entries: list[SeqBatchEntry], repeat: int, sched_ms: float) -> dict[str, Any]:
     runner = llm.engine.runner
     sampler = llm.engine.sampler
@@ -169,14 +184,7 @@ def profile_shape(llm: LLM, entries: list[SeqBatchEntry], repeat: int, sched_ms:
         t_sample = time.perf_counter() - t0
         if it == 0:
             continue
-        s = dict(timers.seconds)
-        fwd = s.pop("model_forward")
-        call = s.pop("attention_call", 0.0)
-        inner = s.get("decode_attention", 0.0) + s.get("prefill_attention", 0.0)
-        s["attention_other"] = max(0.0, call - inner)
-        in_model = sum(v for k, v in s.items() if k not in ("lm_head", "batch_building"))
-        s["rope/silu/residual/misc"] = max(0.0, fwd - in_model)
-        s["runner_python"] = max(0.0, t_exec - fwd - s.get("lm_head", 0.0) - s.get("batch_building", 0.0))
+        s = split_execute(timers.seconds, t_exec)
         s["sampler"] = t_sample
         s["scheduler+kv_bookkeeping"] = sched_ms / 1000
         runs.append(s)
@@ -184,8 +192,8 @@ def profile_shape(llm: LLM, entries: list[SeqBatchEntry], repeat: int, sched_ms:
     med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in CATEGORIES}
     total = sum(med.values())
     tokens = sum(len(e.token_ids) for e in entries)
-    gemm_s = sum(med[k] for k in ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head"))
-    gemm_flops = sum(flops.get(k, 0.0) for k in ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head"))
+    gemm_s = sum(med[k] for k in GEMMS)
+    gemm_flops = sum(flops.get(k, 0.0) for k in GEMMS)
     return {
         "tokens": tokens,
         "step_ms": 1000 * total,
@@ -197,10 +205,8 @@ def profile_shape(llm: LLM, entries: list[SeqBatchEntry], repeat: int, sched_ms:
     }
 
 
-RUN_CATEGORIES = [
-    "gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head", "prefill_attention", "decode_attention",
-    "kv_store", "attention_other", "norms", "rope/silu/residual/misc", "batch_building", "runner_python", "engine",
-]
+# a whole run: the sampler and the scheduler are timed together, as the engine's own share
+RUN_CATEGORIES = [*CATEGORIES[: CATEGORIES.index("sampler")], "engine"]
 
 
 def profile_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
@@ -225,17 +231,12 @@ def profile_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
     finally:
         restore()
         del runner.execute  # the class method again
-    s = dict(timers.seconds)
-    forward, execute = s.pop("model_forward", 0.0), s.pop("execute", 0.0)
-    call = s.pop("attention_call", 0.0)
-    s["attention_other"] = max(0.0, call - s.get("decode_attention", 0.0) - s.get("prefill_attention", 0.0))
-    in_model = sum(v for k, v in s.items() if k not in ("lm_head", "batch_building"))
-    s["rope/silu/residual/misc"] = max(0.0, forward - in_model)
-    s["runner_python"] = max(0.0, execute - forward - s.get("lm_head", 0.0) - s.get("batch_building", 0.0))
+    timed = dict(timers.seconds)
+    execute = timed.pop("execute", 0.0)
+    s = split_execute(timed, execute)
     s["engine"] = max(0.0, wall - execute)
     seconds = {k: s.get(k, 0.0) for k in RUN_CATEGORIES}
-    gemms = ("gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head")
-    gemm_s = sum(seconds[k] for k in gemms)
+    gemm_s = sum(seconds[k] for k in GEMMS)
     return {
         "requests": len(work),
         "output_tokens": output_tokens,
@@ -243,8 +244,8 @@ def profile_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict[str, Any]:
         "profiled_s": wall,
         "seconds": seconds,
         "pct": {k: 100 * v / wall for k, v in seconds.items()},
-        "gemm_gflops": {k: timers.flops[k] / seconds[k] / 1e9 for k in gemms if seconds[k]},
-        "gemm_gflops_all": sum(timers.flops[k] for k in gemms) / gemm_s / 1e9 if gemm_s else 0.0,
+        "gemm_gflops": {k: timers.flops[k] / seconds[k] / 1e9 for k in GEMMS if seconds[k]},
+        "gemm_gflops_all": sum(timers.flops[k] for k in GEMMS) / gemm_s / 1e9 if gemm_s else 0.0,
     }
 
 
@@ -271,18 +272,20 @@ def run_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine(threads: int) -> dict[str, Any]:
+    return {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__,
+            "cpu_attention": "native C" if cpu_native.available() else "torch reference"}
+
+
 def main_run(workload: str, out: str) -> None:
     """``--run``: one peers.py workload, warmed up as peers.py warms kvpilot."""
     torch.set_num_threads(cpu_threads())
     threads = torch.get_num_threads()
     work = make_workload(workload)
-    llm = LLM(model=MODEL, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048)
-    llm.generate([{"prompt_token_ids": work[0][0]}], SamplingParams(max_tokens=4), use_tqdm=False)
-    llm.generate([{"prompt_token_ids": p} for p in warmup_prompts()], SamplingParams(max_tokens=2), use_tqdm=False)
-    llm.engine.wait_for_kv_cache_mapped()
+    llm = LLM(model=MODEL, **KVPILOT_SETTINGS)
+    warm_up_kvpilot(llm, work[0][0])
     result = {
-        "machine": {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__,
-                    "cpu_attention": "native C" if cpu_native.available() else "torch reference"},
+        "machine": machine(threads),
         "model": MODEL,
         "workload": workload,
         "run": profile_run(llm, work),
@@ -372,8 +375,7 @@ def main() -> None:
             num_running=n, steps=20)["mean_ms"])
         print(f"{name}:", json.dumps(shapes[name]["ms"]), flush=True)
     result = {
-        "machine": {"cpu": cpu_name(), "threads": threads, "torch": torch.__version__,
-                    "cpu_attention": "native C" if cpu_native.available() else "torch reference"},
+        "machine": machine(threads),
         "model": MODEL,
         "context": args.context,
         "repeat": repeat,
