@@ -283,7 +283,9 @@ class _Scenario:
 
     # ---- 4: SIGKILL of the daemon mid-stream: an SSE error event (or a complete stream), never a silent cut
     async def mid_stream_kill(self) -> None:
-        ready = self.daemons(ready=True)
+        # the monitor's latest sample may predate the woken pod's Ready status: the router may stream from it
+        # first (seen: Ready written 0.17 s before the first token, no sample after it before this phase ran)
+        ready = await until(lambda: self.daemons(ready=True), 10, "the monitor sees the woken daemon Ready")
         assert len(ready) == 1, f"one daemon should serve the stream, not {ready}"
         c = self.agent.containers[ready[0]]
         assert c.proc is not None and c.proc.poll() is None
