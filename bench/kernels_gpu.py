@@ -13,6 +13,7 @@ Writes JSON to bench/results/kernels_gpu-<time>.json. Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -180,6 +181,38 @@ def decode_sweep(tk, dev, batches, contexts, peak_gbps) -> list[dict]:
     return rows
 
 
+def fp32_prefill_variants(tk, ref, dev) -> list[dict]:
+    """float32 mixed steps (decode rows beside prefill chunks, as the engine batches them): time and error
+    of each tl.dot precision and prefill block size, for SmolLM2's and Llama-8B's attention shapes."""
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for h, kvh, d in ((9, 3, 64), (32, 8, 128)):
+        pool = 20_000
+        kc = torch.randn(pool, BS, kvh, d, device=dev)
+        vc = torch.randn_like(kc)
+        ctx = [int(x) for x in torch.randint(50, 500, (240,), generator=gen)] + [400] * 16
+        ql = [1] * 240 + [400] * 16
+        q, bt, cl, qsl = make_batch(ctx, ql, pool, torch.float32, gen, dev, h=h, d=d)
+        want = ref.paged_attention(q, kc, vc, bt, cl, qsl, d**-0.5)
+        saved = (tk.FP32_PRECISION, tk.FP32_PREFILL_BLOCK_M)
+        for precision in ("ieee", "tf32x3"):
+            for block_m in (64, 32, 16):
+                tk.FP32_PRECISION, tk.FP32_PREFILL_BLOCK_M = precision, block_m
+                row = {"heads": h, "kv_heads": kvh, "head_dim": d, "precision": precision, "block_m": block_m}
+                try:
+                    run = functools.partial(tk.paged_attention, q, kc, vc, bt, cl, qsl, d**-0.5,
+                                            max_query_len=400, max_context_len=500)
+                    row["max_abs_err"] = (run() - want).abs().max().item()
+                    row["us"] = 1e3 * bench_ms(run)
+                except Exception as e:  # a variant that does not compile is a result too
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print("fp32 mixed step:", row, flush=True)
+        tk.FP32_PRECISION, tk.FP32_PREFILL_BLOCK_M = saved
+        del kc, vc
+    return rows
+
+
 def store_copy_bench(tk, dev, peak_gbps) -> dict:
     dtype = torch.bfloat16
     res = {}
@@ -216,6 +249,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batch 128 only, contexts 512/4096")
     ap.add_argument("--peak-tbps", type=float, default=4.8, help="peak HBM bandwidth (H200: 4.8)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--fp32-variants", action="store_true", help="only the float32 mixed-step variants")
     args = ap.parse_args()
     need_gpu()
     from kvpilot.kernels import reference as ref
@@ -228,6 +262,11 @@ def main() -> None:
     import triton
 
     report["triton"] = triton.__version__
+    if args.fp32_variants:
+        report["fp32_mixed_step_variants"] = fp32_prefill_variants(tk, ref, dev)
+        out = args.out or RESULTS / f"kernels_gpu_fp32-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        out.write_text(json.dumps(report, indent=1))
+        return
     report["correctness"] = check_correctness(tk, ref, dev)
     print(json.dumps(report["correctness"], indent=1), flush=True)
     batches = [128] if args.quick else [64, 128, 256]

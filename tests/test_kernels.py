@@ -653,25 +653,80 @@ def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
     assert r.stdout.split() == ["True", "True"], r.stdout + r.stderr
 
 
-# ------------------------------------------------------------------------ Triton (interpreted) tests
+# ------------------------------------------------------------------------ Triton tests
 
 
 # @triton.jit (triton's own library included) reads TRITON_INTERPRET when triton is imported, which
 # in a pytest session may already have happened. So these tests run in a fresh interpreter that has
 # the variable from the start: a normal run spawns it; that child defines and runs test_triton_*.
+# With KVPILOT_TRITON_TEST_DEVICE=cuda the same tests run the compiled kernels on a GPU instead: each
+# call gets device copies of its CPU arguments (strides kept) and in-place results are copied back.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_TEST_DEVICE = os.environ.get("KVPILOT_TRITON_TEST_DEVICE", "").strip()
 
-if not INTERPRETED:
+
+def _triton_child(env_update: dict[str, str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **env_update)
+    env.pop("KVPILOT_ATTENTION_BACKEND", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_triton_", __file__]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+if not (INTERPRETED or TRITON_TEST_DEVICE):
 
     @pytest.mark.slow
     def test_kernels_under_triton_interpreter():
         pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        env.pop("KVPILOT_ATTENTION_BACKEND", None)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_triton_", __file__]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        r = _triton_child({"TRITON_INTERPRET": "1"})
         assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
         assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton kernels need a CUDA GPU")
+    def test_kernels_compiled_on_cuda():
+        pytest.importorskip("triton")
+        r = _triton_child({"TRITON_INTERPRET": "0", "KVPILOT_TRITON_TEST_DEVICE": "cuda"})
+        assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+        assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+
+class OnDevice:
+    """The Triton module's functions, called on ``device`` copies of their CPU tensor arguments (lists
+    too). Copies keep the strides (a query sliced from a fused projection stays a strided view); after the
+    call every argument is copied back, so in-place writes (store_kv, copy_blocks, ``out=``) land in the
+    test's tensors, and a result that is one of the arguments comes back as that argument."""
+
+    def __init__(self, module, device: str) -> None:
+        self.module = module
+        self.device = torch.device(device)
+
+    def _to_device(self, x, pairs: list):
+        if isinstance(x, torch.Tensor):
+            copy = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=self.device)
+            copy.copy_(x)
+            pairs.append((x, copy))
+            return copy
+        if isinstance(x, list | tuple):
+            return type(x)(self._to_device(v, pairs) for v in x)
+        return x
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.module, name)
+        if not callable(fn) or name.startswith("_"):
+            return fn
+
+        def call(*args, **kwargs):
+            pairs: list = []
+            dev_args = self._to_device(list(args), pairs)
+            dev_kwargs = {k: self._to_device(v, pairs) for k, v in kwargs.items()}
+            result = fn(*dev_args, **dev_kwargs)
+            for original, copy in pairs:
+                original.copy_(copy.cpu())
+            if isinstance(result, torch.Tensor):
+                same = [orig for orig, copy in pairs if copy is result]
+                return same[0] if same else result.cpu()
+            return result
+
+        return call
 
 
 @pytest.fixture(scope="module")
@@ -680,9 +735,13 @@ def tk():
 
     import kvpilot.kernels.triton_kernels as mod
 
+    if TRITON_TEST_DEVICE == "cuda":
+        assert torch.cuda.is_available() and not mod._INTERPRET, "compiled kernels need CUDA, no interpreter"
+        return OnDevice(mod, "cuda")
     # fail loudly rather than test compiled kernels on CPU tensors (or crash inside them)
     assert mod._INTERPRET and type(tl.standard.cdiv).__name__ == "InterpretedFunction"
-    return mod
+    # KVPILOT_TRITON_TEST_DEVICE=cpu: the interpreter through OnDevice's copies (checks the copying itself)
+    return OnDevice(mod, "cpu") if TRITON_TEST_DEVICE == "cpu" else mod
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -808,15 +867,21 @@ def test_triton_copy_blocks(tk):
 
 
 def test_triton_dispatch_forced(tk, monkeypatch):
-    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "triton")
-    assert K.backend_for(torch.zeros(1)) == "triton"
     case = make_case([17, 5], [1, 5], kvh=1, group=3, d=64, bs=16, dtype=torch.float32, seed=6)
-    got = K.paged_attention(*case.args())  # NaN outside contexts: only Triton survives that
+    if isinstance(tk, OnDevice) and tk.device.type == "cuda":
+        # on a GPU no variable is needed: CUDA tensors go to Triton
+        args = [a.to("cuda") if isinstance(a, torch.Tensor) else a for a in case.args()]
+        assert K.attention_backend_for(args[0], args[1]) == "triton"
+        got = K.paged_attention(*args).cpu()
+    else:
+        monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "triton")
+        assert K.backend_for(torch.zeros(1)) == "triton"
+        got = K.paged_attention(*case.args())  # NaN outside contexts: only Triton survives that
     assert not got.isnan().any()
     assert_close(got, dense_batch(case), torch.float32)
 
 
-if not INTERPRETED:  # the child process started by test_kernels_under_triton_interpreter runs these
+if not (INTERPRETED or TRITON_TEST_DEVICE):  # the child processes started above run these
     for _name in [n for n in globals() if n.startswith("test_triton_")]:
         del globals()[_name]
 

@@ -33,6 +33,8 @@ class BeamSearchOutput:
 class LLM:
     def __init__(self, model: str = "builtin://smollm2-135m", **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        # as the daemon does at start: the first kernels run, and on a GPU the decode graphs are captured
+        self.engine.warmup()
         self._ids = itertools.count()
 
     def get_tokenizer(self):

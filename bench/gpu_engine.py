@@ -1,0 +1,369 @@
+"""The engine on a CUDA GPU: correctness against the CPU and HF transformers, CUDA graphs, throughput.
+
+1. greedy parity: the CPU engine's greedy tokens (fp32, made here with ``--make-reference``) against the
+   engine on CUDA in fp32 and bf16;
+2. prompt logprobs against HF transformers on the same GPU, same weights, fp32 and bf16;
+3. CUDA graphs off and on: the same greedy tokens, and the decode-heavy time of each;
+4. throughput on peers.py's w96 workload (and a 1024-request one of the same shape), bf16 and fp32,
+   next to HF ``generate`` in static batches of 16 (bf16).
+
+Each part records its error and the script goes on. Usage:
+    python bench/gpu_engine.py --make-reference            # on the CPU, writes the reference file
+    python bench/gpu_engine.py [--model M] [--out DIR]     # on the GPU
+Writes gpu_engine.json (bench/results, or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import WORKLOADS, make_workload  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REFERENCE = RESULTS / "gpu_reference_tokens.json"
+MODEL = "builtin://smollm2-135m"
+PARITY_TOKENS = 48
+DEVICE = "cuda"  # --device cpu: a dry run of the script's own logic where there is no GPU
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Kubernetes is an open-source system for",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: Good morning, how are you?",
+]
+
+
+def engine(model: str, **kwargs: Any):
+    from kvpilot.daemon.engine import LLM
+
+    return LLM(model=model, **kwargs)
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from kvpilot.daemon.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def free(*objs: Any) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_reference(model: str) -> None:
+    """CPU fp32 greedy tokens of the text prompts and two random-id prompts, with the prompts' ids."""
+    llm = engine(model, device="cpu", dtype="float32")
+    tok = llm.engine.tokenizer
+    rng = random.Random(7)
+    prompts = [tok.encode(t) for t in TEXT_PROMPTS]
+    prompts += [[rng.randint(100, 49151) for _ in range(n)] for n in (40, 300)]
+    ref = {"model": model, "device": "cpu", "dtype": "float32", "max_tokens": PARITY_TOKENS, "prompts": prompts,
+           "tokens": greedy(llm, prompts, PARITY_TOKENS)}
+    REFERENCE.write_text(json.dumps(ref))
+    print(f"wrote {REFERENCE}: {len(prompts)} prompts x {PARITY_TOKENS} tokens")
+
+
+def write_random_model(meta: Path, out: Path) -> None:
+    """A folder with ``meta``'s config and tokenizer and random weights (seed 0): for a GPU machine that
+    the real weights could not reach. Greedy parity with the CPU reference needs the real ones."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta), dtype=torch.float32)
+    model.save_pretrained(out)
+    for f in meta.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    print(f"wrote random weights of {meta}'s shape to {out}")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def greedy_parity(model: str, reference: dict) -> dict:
+    res: dict[str, Any] = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = engine(model, device=DEVICE, dtype=dtype, num_kv_blocks=4096)
+        got = greedy(llm, reference["prompts"], reference["max_tokens"])
+        prefixes = [common_prefix(g, w) for g, w in zip(got, reference["tokens"], strict=True)]
+        res[dtype] = {"identical": sum(p == reference["max_tokens"] for p in prefixes), "of": len(prefixes),
+                      "common_prefix_tokens": prefixes}
+        print(f"greedy vs CPU fp32, {dtype} on CUDA: {res[dtype]}", flush=True)
+        free(llm)
+    res["ok"] = res["float32"]["identical"] >= len(reference["prompts"]) - 1  # one late near-tie may flip
+    return res
+
+
+def prompt_logprob_parity(model: str, prompts: list[list[int]]) -> dict:
+    """Max |engine - HF| over every scored prompt position, same GPU, same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpilot.daemon.engine import SamplingParams
+    from kvpilot.daemon.engine.loader import resolve_model_path
+
+    folder = resolve_model_path(model)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    res: dict[str, Any] = {}
+    for dtype, tol in (("float32", 2e-3), ("bfloat16", 0.25)):
+        llm = engine(model, device=DEVICE, dtype=dtype, num_kv_blocks=4096)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        ours = [[e[p[i + 1]].logprob for i, e in enumerate(o.prompt_logprobs[1:])] for o, p in zip(outs, prompts, strict=True)]
+        free(llm)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(DEVICE).eval()
+        worst = 0.0
+        with torch.inference_mode():
+            for p, mine in zip(prompts, ours, strict=True):
+                ids = torch.tensor([p], device=DEVICE)
+                logp = hf(ids).logits[0].float().log_softmax(-1)
+                theirs = logp[torch.arange(len(p) - 1, device=DEVICE), ids[0, 1:]]
+                worst = max(worst, (theirs.cpu() - torch.tensor(mine)).abs().max().item())
+        free(hf)
+        res[dtype] = {"max_abs_diff": worst, "tolerance": tol, "ok": worst <= tol}
+        print(f"prompt logprobs vs HF on CUDA, {dtype}: {res[dtype]}", flush=True)
+    res["ok"] = all(res[d]["ok"] for d in ("float32", "bfloat16"))
+    return res
+
+
+def graphs_on_off(model: str) -> dict:
+    """64 random-id prompts, 64 greedy tokens each: eager, then with decode graphs."""
+    rng = random.Random(3)
+    prompts = [[rng.randint(100, 49151) for _ in range(16 + 5 * i)] for i in range(64)]
+    res: dict[str, Any] = {}
+    tokens = {}
+    for dtype in ("float32", "bfloat16"):
+        for flag in ("0", "1"):
+            os.environ["KVPILOT_CUDA_GRAPHS"] = flag
+            llm = engine(model, device=DEVICE, dtype=dtype, max_num_seqs=64, num_kv_blocks=4096)
+            greedy(llm, prompts[:2], 4)  # compiles the kernels
+            sync()
+            t0 = time.perf_counter()
+            tokens[dtype, flag] = greedy(llm, prompts, 64)
+            sync()
+            seconds = time.perf_counter() - t0
+            captured = llm.engine.runner._graphs is not None  # noqa: SLF001
+            res[f"{dtype}_graphs{flag}"] = {"seconds": seconds, "captured": captured}
+            print(f"{dtype} graphs={flag}: {seconds:.2f} s, captured={captured}", flush=True)
+            free(llm)
+        same = sum(a == b for a, b in zip(tokens[dtype, "0"], tokens[dtype, "1"], strict=True))
+        res[f"{dtype}_identical"] = same
+        res[f"{dtype}_speedup"] = res[f"{dtype}_graphs0"]["seconds"] / res[f"{dtype}_graphs1"]["seconds"]
+    os.environ.pop("KVPILOT_CUDA_GRAPHS", None)
+    res["ok"] = res["float32_identical"] == len(prompts) and res["float32_graphs1"]["captured"]
+    return res
+
+
+def timed_engine_run(model: str, work: list[tuple[list[int], int]], dtype: str) -> dict:
+    from kvpilot.daemon.engine import SamplingParams
+
+    t_start = time.perf_counter()
+    llm = engine(model, device=DEVICE, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=8192,
+                 num_kv_blocks=16384)
+    start_s = time.perf_counter() - t_start
+    greedy(llm, [p for p, _ in work[:8]], 4)
+    llm.engine.reset_prefix_cache()
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    sync()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+    sync()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(m for _, m in work)
+    free(llm)
+    return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+            "engine_start_s": start_s}
+
+
+def hf_static(model: str, work: list[tuple[list[int], int]], batch_size: int = 16) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from kvpilot.daemon.engine.loader import resolve_model_path
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=torch.bfloat16).to(DEVICE).eval()
+    useful = 0
+    sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        chunk = work[i : i + batch_size]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(chunk):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(m for _, m in chunk)
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == width + new
+        useful += sum(m for _, m in chunk)
+    sync()
+    seconds = time.perf_counter() - t0
+    free(hf)
+    return {"seconds": seconds, "output_tokens": useful, "output_tokens_per_s": useful / seconds}
+
+
+RUNS = ("bfloat16:w96", "float32:w96", "bfloat16:w1024", "float32:w1024")
+
+
+def throughput(model: str, cap: int | None = None, runs: tuple[str, ...] = RUNS, hf: bool = True) -> dict:
+    res: dict[str, Any] = {"workloads": {"w96": WORKLOADS["w96"], "w1024": "1024 requests, w96's shape"}}
+    w96 = make_workload("w96")
+    w1024 = make_workload("w96") + [x for s in range(1, 11) for x in make_workload("w96", seed=s)][: 1024 - 96]
+    if cap:  # a dry run
+        w96, w1024 = w96[:cap], w1024[: 2 * cap]
+    loads = {"w96": w96, "w1024": w1024}
+    for run in runs:
+        dtype, name = run.split(":")
+        r = timed_engine_run(model, loads[name], dtype)
+        res[f"kvpilot_{dtype}_{name}"] = r
+        print(f"kvpilot {dtype} {name}: {r}", flush=True)
+    if hf:
+        r = hf_static(model, w96)
+        res["hf_static16_bfloat16_w96"] = r
+        print(f"HF static16 bf16 w96: {r}", flush=True)
+        if "kvpilot_bfloat16_w96" in res:
+            res["ratio_w96_bf16_vs_hf_static16"] = (res["kvpilot_bfloat16_w96"]["output_tokens_per_s"]
+                                                    / r["output_tokens_per_s"])
+    res["default_sizing"] = default_sizing(model)
+    return res
+
+
+def default_sizing(model: str) -> dict:
+    """The engine as a user starts it (gpu_memory_utilization=0.9 sizes the KV cache): start time, blocks."""
+    t0 = time.perf_counter()
+    llm = engine(model, device=DEVICE)
+    start_s = time.perf_counter() - t0
+    runner = llm.engine.runner
+    res = {"engine_start_s": start_s, "dtype": str(runner.dtype), "num_kv_blocks": runner.num_blocks,
+           "kv_cache_gib": runner.num_blocks * runner.kv_bytes_per_block / 2**30,
+           "graphs_captured": runner._graphs is not None}  # noqa: SLF001
+    res["first_request_tokens"] = len(greedy(llm, [[100, 200, 300]], 8)[0])
+    free(llm)
+    print(f"default sizing: {res}", flush=True)
+    return res
+
+
+def profile_steps(model: str, requests: int = 400, steps: int = 120, profiled: tuple[int, int] = (60, 75)) -> dict:
+    """Per-step wall time for the first ``steps`` steps of a w1024-shaped load, per dtype, and the
+    profiler's top kernels over a window of them: where a slow dtype loses its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvpilot.daemon.engine import SamplingParams
+
+    work = (make_workload("w96") + [x for s in range(1, 6) for x in make_workload("w96", seed=s)])[:requests]
+    res: dict[str, Any] = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = engine(model, device=DEVICE, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=8192,
+                     num_kv_blocks=16384)
+        for i, (p, m) in enumerate(work):
+            llm.engine.add_request(f"p{i}", {"prompt_token_ids": p},
+                                   SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        times = []
+        table = ""
+        for k in range(steps):
+            if k == profiled[0]:
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                prof.__enter__()
+            sync()
+            t0 = time.perf_counter()
+            llm.engine.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+            if k == profiled[1]:
+                prof.__exit__(None, None, None)
+                table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
+        llm.engine.abort_request([f"p{i}" for i in range(len(work))])
+        free(llm)
+        res[dtype] = {"step_ms": [round(1000 * t, 2) for t in times], "total_s": sum(times),
+                      "profiled_steps": list(profiled), "top_kernels": table}
+        print(f"{dtype}: {steps} steps {sum(times):.2f} s; step ms {res[dtype]['step_ms'][::6]}", flush=True)
+        print(table, flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--make-reference", action="store_true", help="write the CPU reference tokens and stop")
+    ap.add_argument("--reference", type=Path, default=REFERENCE)
+    ap.add_argument("--write-random-model", type=Path, nargs=2, metavar=("META", "OUT"),
+                    help="write a random-weight model of META's config to OUT and stop")
+    ap.add_argument("--parts", default="parity,logprobs,graphs,throughput")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--runs", default=",".join(RUNS), help="throughput runs, dtype:workload")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF static-batch run in the throughput part")
+    ap.add_argument("--cap", type=int, default=None, help="requests per throughput workload (dry runs)")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if args.write_random_model:
+        write_random_model(*args.write_random_model)
+        return
+    if args.make_reference:
+        make_reference(args.model)
+        return
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench/gpu_engine.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    reference = json.loads(args.reference.read_text())
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+                              "model": args.model}
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+    except ImportError as e:
+        report["triton"] = f"missing: {e}"
+    parts = {"parity": lambda: greedy_parity(args.model, reference),
+             "logprobs": lambda: prompt_logprob_parity(args.model, reference["prompts"]),
+             "graphs": lambda: graphs_on_off(args.model),
+             "throughput": lambda: throughput(args.model, args.cap, tuple(args.runs.split(",")), not args.skip_hf),
+             "profile": lambda: profile_steps(args.model)}
+    for name in args.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            report[name] = parts[name]()
+        except Exception as e:  # record and go on: one device session has to show as much as it can
+            traceback.print_exc()
+            report[name] = {"error": f"{type(e).__name__}: {e}", "ok": False}
+        report[name]["wall_s"] = time.perf_counter() - t0
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_engine.json").write_text(json.dumps(report, indent=1))
+    failed = [n for n in args.parts.split(",") if report[n].get("ok") is False]
+    print("failed:", failed or "none")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
