@@ -675,9 +675,12 @@ def _triton_child(env_update: dict[str, str]) -> subprocess.CompletedProcess:
 if not (INTERPRETED or TRITON_TEST_DEVICE):
 
     @pytest.mark.slow
-    def test_kernels_under_triton_interpreter():
+    @pytest.mark.parametrize("through_copies", [False, True], ids=["direct", "on-device-copies"])
+    def test_kernels_under_triton_interpreter(through_copies):
+        # through_copies: the same tests through OnDevice on CPU copies, which checks the copying that a
+        # compiled run on a GPU relies on
         pytest.importorskip("triton")
-        r = _triton_child({"TRITON_INTERPRET": "1"})
+        r = _triton_child({"TRITON_INTERPRET": "1", **({"KVPILOT_TRITON_TEST_DEVICE": "cpu"} if through_copies else {})})
         assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
         assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 

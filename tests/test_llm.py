@@ -94,3 +94,9 @@ def test_beam_search_returns_ranked_beams(llm):
     # The best beam is at least as likely as the greedy path.
     assert out.sequences[0].cum_logprob >= greedy.cumulative_logprob - 1e-3 or len(out.sequences[0].generated) < 6
     assert all_free(llm)
+
+
+def test_llm_warms_up_at_init(llm):
+    # as the daemon does: on a GPU the warm-up captures the decode CUDA graphs, which offline runs went
+    # without while only the daemon called it
+    assert llm.engine.runner.warmed_up

@@ -122,6 +122,7 @@ class ModelRunner:
         self.num_cpu_blocks = 0
         self._threads_set_for: int | None = None  # thread whose intra-op pool we sized
         self._graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, built by warmup()
+        self.warmed_up = False
         self.kv_population: host_malloc.PagePopulation | None = None  # maps the CPU KV cache in (init_kv_cache)
         self.last_prompt_logprobs: dict[int, PromptLogprobs] = {}  # of the latest execute()
         self._ensure_threads()
@@ -415,6 +416,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.capture_cuda_graphs()
+        self.warmed_up = True
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs per batch-size bucket (see cuda_graphs); a failed capture leaves eager mode."""
