@@ -118,7 +118,7 @@ def greedy_parity(model: str, reference: dict) -> dict:
         prefixes = [common_prefix(g, w) for g, w in zip(got, reference["tokens"], strict=True)]
         res[dtype] = {"identical": sum(p == reference["max_tokens"] for p in prefixes), "of": len(prefixes),
                       "common_prefix_tokens": prefixes}
-        print(f"greedy vs CPU fp32, {dtype} on CUDA: {res[dtype]}", flush=True)
+        print(f"greedy vs CPU fp32, {dtype} on {DEVICE}: {res[dtype]}", flush=True)
         free(llm)
     res["ok"] = res["float32"]["identical"] >= len(reference["prompts"]) - 1  # one late near-tie may flip
     return res
@@ -149,7 +149,7 @@ def prompt_logprob_parity(model: str, prompts: list[list[int]]) -> dict:
                 worst = max(worst, (theirs.cpu() - torch.tensor(mine)).abs().max().item())
         free(hf)
         res[dtype] = {"max_abs_diff": worst, "tolerance": tol, "ok": worst <= tol}
-        print(f"prompt logprobs vs HF on CUDA, {dtype}: {res[dtype]}", flush=True)
+        print(f"prompt logprobs vs HF on {DEVICE}, {dtype}: {res[dtype]}", flush=True)
     res["ok"] = all(res[d]["ok"] for d in ("float32", "bfloat16"))
     return res
 
