@@ -205,32 +205,17 @@ def timed_engine_run(model: str, work: list[tuple[list[int], int]], dtype: str) 
 
 
 def hf_static(model: str, work: list[tuple[list[int], int]], batch_size: int = 16) -> dict:
+    """HF ``generate`` in static batches (throughput.py's peer), bf16 on this device."""
+    from throughput import bench_hf_static
     from transformers import AutoModelForCausalLM
 
     from kvpilot.daemon.engine.loader import resolve_model_path
 
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=torch.bfloat16).to(DEVICE).eval()
-    useful = 0
     sync()
-    t0 = time.perf_counter()
-    for i in range(0, len(work), batch_size):
-        chunk = work[i : i + batch_size]
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, (p, _) in enumerate(chunk):
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        new = max(m for _, m in chunk)
-        with torch.inference_mode():
-            out = hf.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=new,
-                              min_new_tokens=new, do_sample=False, pad_token_id=0)
-        assert out.shape[1] == width + new
-        useful += sum(m for _, m in chunk)
-    sync()
-    seconds = time.perf_counter() - t0
+    res = bench_hf_static(hf, work, batch_size)
     free(hf)
-    return {"seconds": seconds, "output_tokens": useful, "output_tokens_per_s": useful / seconds}
+    return res
 
 
 RUNS = ("bfloat16:w96", "float32:w96", "bfloat16:w1024", "float32:w1024")

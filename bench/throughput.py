@@ -93,7 +93,8 @@ def load_hf(dtype: torch.dtype):
 
 
 def bench_hf_static(model, work: list[tuple[list[int], int]], batch_size: int) -> dict:
-    """Static batches of `batch_size`: left-padded prompts; every row runs until the batch's longest output."""
+    """Static batches of `batch_size`: left-padded prompts; every row runs until the batch's longest output.
+    On the model's device (bench/gpu_engine.py runs it on a GPU)."""
     useful = 0
     start = time.perf_counter()
     for i in range(0, len(work), batch_size):
@@ -107,8 +108,8 @@ def bench_hf_static(model, work: list[tuple[list[int], int]], batch_size: int) -
         new = max(m for _, m in chunk)
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(model.device),
+                attention_mask=mask.to(model.device),
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
@@ -116,6 +117,8 @@ def bench_hf_static(model, work: list[tuple[list[int], int]], batch_size: int) -
             )
         assert out.shape[1] == width + new
         useful += sum(m for _, m in chunk)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed,
             "batch_size": batch_size}

@@ -100,3 +100,13 @@ def test_llm_warms_up_at_init(llm):
     # as the daemon does: on a GPU the warm-up captures the decode CUDA graphs, which offline runs went
     # without while only the daemon called it
     assert llm.engine.runner.warmed_up
+
+
+def test_warm_up_fits_a_tiny_max_model_len():
+    # the warm-up's prefill and decode must fit the context: max_model_len=2 leaves one token of each
+    from kvpilot.daemon.engine import LLM
+
+    tiny = LLM(model="builtin://smollm2-135m", dtype="float32", max_model_len=2, num_kv_blocks=8)
+    assert tiny.engine.runner.warmed_up
+    out = tiny.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1
