@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.engine import BeamSearchParams, SamplingParams
+from kvpilot.daemon.engine import LLM, BeamSearchParams, SamplingParams
 from support.engine import all_free
 
 
@@ -104,8 +104,6 @@ def test_llm_warms_up_at_init(llm):
 
 def test_warm_up_fits_a_tiny_max_model_len():
     # the warm-up's prefill and decode must fit the context: max_model_len=2 leaves one token of each
-    from kvpilot.daemon.engine import LLM
-
     tiny = LLM(model="builtin://smollm2-135m", dtype="float32", max_model_len=2, num_kv_blocks=8)
     assert tiny.engine.runner.warmed_up
     out = tiny.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)
