@@ -413,7 +413,7 @@ class ModelRunner:
         n = min(4, self.block_size - 1, self.loaded.max_model_len - 1)  # a prefill, then one decode after it
         if n >= 1:
             self.execute([SeqBatchEntry(token_ids=[0] * n, start_pos=0, block_table=[0], compute_logits=True)])
-        self.execute([SeqBatchEntry(token_ids=[0], start_pos=max(n, 0), block_table=[0], compute_logits=True)])
+        self.execute([SeqBatchEntry(token_ids=[0], start_pos=n, block_table=[0], compute_logits=True)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.capture_cuda_graphs()
