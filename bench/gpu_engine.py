@@ -65,11 +65,26 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def free(*objs: Any) -> None:
-    del objs
+def release_memory() -> None:
+    """After the caller has dropped its engine or model: collect it and hand its GPU memory back, so that the
+    next one sizes itself on a free device."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# the throughput and profile loads' engine settings
+LOAD_SETTINGS: dict[str, Any] = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "num_kv_blocks": 16384}
+
+
+def w96_shaped(n: int) -> list[tuple[list[int], int]]:
+    """``n`` requests of peers.py's w96 shape: w96 itself first, then w96 with seeds 1, 2, ..."""
+    work = make_workload("w96")
+    seed = 1
+    while len(work) < n:
+        work += make_workload("w96", seed=seed)
+        seed += 1
+    return work[:n]
 
 
 def make_reference(model: str) -> None:
@@ -119,7 +134,8 @@ def greedy_parity(model: str, reference: dict) -> dict:
         res[dtype] = {"identical": sum(p == reference["max_tokens"] for p in prefixes), "of": len(prefixes),
                       "common_prefix_tokens": prefixes}
         print(f"greedy vs CPU fp32, {dtype} on {DEVICE}: {res[dtype]}", flush=True)
-        free(llm)
+        del llm
+        release_memory()
     res["ok"] = res["float32"]["identical"] >= len(reference["prompts"]) - 1  # one late near-tie may flip
     return res
 
@@ -138,7 +154,8 @@ def prompt_logprob_parity(model: str, prompts: list[list[int]]) -> dict:
         llm = engine(model, device=DEVICE, dtype=dtype, num_kv_blocks=4096)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         ours = [[e[p[i + 1]].logprob for i, e in enumerate(o.prompt_logprobs[1:])] for o, p in zip(outs, prompts, strict=True)]
-        free(llm)
+        del llm
+        release_memory()
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(DEVICE).eval()
         worst = 0.0
         with torch.inference_mode():
@@ -147,7 +164,8 @@ def prompt_logprob_parity(model: str, prompts: list[list[int]]) -> dict:
                 logp = hf(ids).logits[0].float().log_softmax(-1)
                 theirs = logp[torch.arange(len(p) - 1, device=DEVICE), ids[0, 1:]]
                 worst = max(worst, (theirs.cpu() - torch.tensor(mine)).abs().max().item())
-        free(hf)
+        del hf
+        release_memory()
         res[dtype] = {"max_abs_diff": worst, "tolerance": tol, "ok": worst <= tol}
         print(f"prompt logprobs vs HF on {DEVICE}, {dtype}: {res[dtype]}", flush=True)
     res["ok"] = all(res[d]["ok"] for d in ("float32", "bfloat16"))
@@ -173,7 +191,8 @@ def graphs_on_off(model: str) -> dict:
             captured = llm.engine.runner._graphs is not None  # noqa: SLF001
             res[f"{dtype}_graphs{flag}"] = {"seconds": seconds, "captured": captured}
             print(f"{dtype} graphs={flag}: {seconds:.2f} s, captured={captured}", flush=True)
-            free(llm)
+            del llm
+            release_memory()
         same = sum(a == b for a, b in zip(tokens[dtype, "0"], tokens[dtype, "1"], strict=True))
         res[f"{dtype}_identical"] = same
         res[f"{dtype}_speedup"] = res[f"{dtype}_graphs0"]["seconds"] / res[f"{dtype}_graphs1"]["seconds"]
@@ -186,8 +205,7 @@ def timed_engine_run(model: str, work: list[tuple[list[int], int]], dtype: str) 
     from kvpilot.daemon.engine import SamplingParams
 
     t_start = time.perf_counter()
-    llm = engine(model, device=DEVICE, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=8192,
-                 num_kv_blocks=16384)
+    llm = engine(model, device=DEVICE, dtype=dtype, **LOAD_SETTINGS)
     start_s = time.perf_counter() - t_start
     greedy(llm, [p for p, _ in work[:8]], 4)
     llm.engine.reset_prefix_cache()
@@ -199,7 +217,8 @@ def timed_engine_run(model: str, work: list[tuple[list[int], int]], dtype: str) 
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert tokens == sum(m for _, m in work)
-    free(llm)
+    del llm
+    release_memory()
     return {"seconds": seconds, "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
             "engine_start_s": start_s}
 
@@ -214,7 +233,8 @@ def hf_static(model: str, work: list[tuple[list[int], int]], batch_size: int = 1
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=torch.bfloat16).to(DEVICE).eval()
     sync()
     res = bench_hf_static(hf, work, batch_size)
-    free(hf)
+    del hf
+    release_memory()
     return res
 
 
@@ -223,8 +243,7 @@ RUNS = ("bfloat16:w96", "float32:w96", "bfloat16:w1024", "float32:w1024")
 
 def throughput(model: str, cap: int | None = None, runs: tuple[str, ...] = RUNS, hf: bool = True) -> dict:
     res: dict[str, Any] = {"workloads": {"w96": WORKLOADS["w96"], "w1024": "1024 requests, w96's shape"}}
-    w96 = make_workload("w96")
-    w1024 = make_workload("w96") + [x for s in range(1, 11) for x in make_workload("w96", seed=s)][: 1024 - 96]
+    w96, w1024 = w96_shaped(96), w96_shaped(1024)
     if cap:  # a dry run
         w96, w1024 = w96[:cap], w1024[: 2 * cap]
     loads = {"w96": w96, "w1024": w1024}
@@ -254,7 +273,8 @@ def default_sizing(model: str) -> dict:
            "kv_cache_gib": runner.num_blocks * runner.kv_bytes_per_block / 2**30,
            "graphs_captured": runner._graphs is not None}  # noqa: SLF001
     res["first_request_tokens"] = len(greedy(llm, [[100, 200, 300]], 8)[0])
-    free(llm)
+    del llm
+    release_memory()
     print(f"default sizing: {res}", flush=True)
     return res
 
@@ -266,11 +286,10 @@ def profile_steps(model: str, requests: int = 400, steps: int = 120, profiled: t
 
     from kvpilot.daemon.engine import SamplingParams
 
-    work = (make_workload("w96") + [x for s in range(1, 6) for x in make_workload("w96", seed=s)])[:requests]
+    work = w96_shaped(requests)
     res: dict[str, Any] = {}
     for dtype in ("float32", "bfloat16"):
-        llm = engine(model, device=DEVICE, dtype=dtype, max_num_seqs=256, max_num_batched_tokens=8192,
-                     num_kv_blocks=16384)
+        llm = engine(model, device=DEVICE, dtype=dtype, **LOAD_SETTINGS)
         for i, (p, m) in enumerate(work):
             llm.engine.add_request(f"p{i}", {"prompt_token_ids": p},
                                    SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
@@ -289,7 +308,8 @@ def profile_steps(model: str, requests: int = 400, steps: int = 120, profiled: t
                 prof.__exit__(None, None, None)
                 table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
         llm.engine.abort_request([f"p{i}" for i in range(len(work))])
-        free(llm)
+        del llm
+        release_memory()
         res[dtype] = {"step_ms": [round(1000 * t, 2) for t in times], "total_s": sum(times),
                       "profiled_steps": list(profiled), "top_kernels": table}
         print(f"{dtype}: {steps} steps {sum(times):.2f} s; step ms {res[dtype]['step_ms'][::6]}", flush=True)

@@ -410,7 +410,7 @@ class ModelRunner:
 
     def warmup(self) -> None:
         """One tiny forward through block 0 (its contents are scratch until the engine writes it)."""
-        n = min(4, self.block_size - 1, self.loaded.max_model_len - 1)  # a prefill, then one decode after it
+        n = min(4, self.loaded.max_model_len - 1)  # a prefill, then one decode after it (blocks hold >= 8)
         if n >= 1:
             self.execute([SeqBatchEntry(token_ids=[0] * n, start_pos=0, block_table=[0], compute_logits=True)])
         self.execute([SeqBatchEntry(token_ids=[0], start_pos=n, block_table=[0], compute_logits=True)])
