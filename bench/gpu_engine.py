@@ -317,6 +317,165 @@ def profile_steps(model: str, requests: int = 400, steps: int = 120, profiled: t
     return res
 
 
+def gemm_rows(calls: int = 200) -> dict:
+    """Host time per GEMM call (enqueue only, no sync inside the loop) when every call has a new row count,
+    as mixed steps give, against one repeated count and counts padded to multiples of 64: whether the BLAS
+    library's per-shape kernel choice is what the host pays for. SmolLM2's gate|up shape."""
+    import torch.nn.functional as F
+
+    res: dict[str, Any] = {}
+    rng = random.Random(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(3072, 576, dtype=dtype, device=DEVICE)
+        fresh = rng.sample(range(17, 4000), calls)  # never the same count twice
+        cases = {"new_count_each_call": fresh, "one_count": [1000] * calls,
+                 "padded_to_64": [-(-m // 64) * 64 for m in fresh]}
+        xs = torch.randn(4096, 576, dtype=dtype, device=DEVICE)
+        for name, counts in cases.items():
+            for m in counts[:3]:
+                F.linear(xs[:m], w)
+            sync()
+            host = 0.0
+            t0 = time.perf_counter()
+            for m in counts:
+                t = time.perf_counter()
+                F.linear(xs[:m], w)
+                host += time.perf_counter() - t
+            sync()
+            wall = time.perf_counter() - t0
+            key = f"{str(dtype).removeprefix('torch.')}_{name}"
+            res[key] = {"host_us_per_call": 1e6 * host / calls, "wall_us_per_call": 1e6 * wall / calls}
+            print(f"gemm rows {key}: host {res[key]['host_us_per_call']:.1f} us/call, "
+                  f"wall {res[key]['wall_us_per_call']:.1f} us/call", flush=True)
+    return res
+
+
+def host_profile(model: str, requests: int = 400, steps: int = 100, window: tuple[int, int] = (40, 100)) -> dict:
+    """Where the host's time goes in a w1024-shaped bf16 load: cProfile over a window of steps (Python
+    functions; a wait for the GPU shows where it syncs), then the same steps timed without the profiler."""
+    import cProfile
+    import io
+    import pstats
+
+    from kvpilot.daemon.engine import SamplingParams
+
+    work = w96_shaped(requests)
+    res: dict[str, Any] = {}
+    for label in ("profiled", "timed"):
+        llm = engine(model, device=DEVICE, dtype="bfloat16", **LOAD_SETTINGS)
+        for i, (p, m) in enumerate(work):
+            llm.engine.add_request(f"p{i}", {"prompt_token_ids": p},
+                                   SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        prof = cProfile.Profile()
+        times = []
+        for k in range(steps):
+            if label == "profiled" and k == window[0]:
+                prof.enable()
+            sync()
+            t0 = time.perf_counter()
+            llm.engine.step()
+            sync()
+            times.append(time.perf_counter() - t0)
+            if label == "profiled" and k == window[1] - 1:
+                prof.disable()
+        llm.engine.abort_request([f"p{i}" for i in range(len(work))])
+        del llm
+        release_memory()
+        entry: dict[str, Any] = {"window_s": sum(times[window[0]:window[1]]), "total_s": sum(times),
+                                 "step_ms": [round(1000 * t, 2) for t in times]}
+        if label == "profiled":
+            for order in ("tottime", "cumulative"):
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(28)
+                entry[f"by_{order}"] = text.getvalue()
+                print(text.getvalue(), flush=True)
+        res[label] = entry
+        print(f"host {label}: steps {window} {entry['window_s']:.3f} s, all {steps} {entry['total_s']:.3f} s", flush=True)
+    return res
+
+
+ARRIVALS_PER_STEP = 2
+
+
+def arrivals(model: str, requests: int = 300) -> dict:
+    """Requests of w96's shape arriving a few per step, as a server sees them, so that nearly every step
+    has a token count of its own (the engine loop, CUMULATIVE outputs, as the daemon runs it); per dtype,
+    after a first run that compiles the kernels."""
+    from kvpilot.daemon.engine import SamplingParams
+
+    res: dict[str, Any] = {}
+    work = w96_shaped(requests)
+    for dtype in ("bfloat16", "float32"):
+        llm = engine(model, device=DEVICE, dtype=dtype, **LOAD_SETTINGS)
+        counts: set[int] = set()  # the steps' token counts
+        execute = llm.engine.runner.execute
+
+        def counted(entries: list, execute=execute, counts=counts) -> torch.Tensor:
+            counts.add(sum(len(e.token_ids) for e in entries))
+            return execute(entries)
+
+        llm.engine.runner.execute = counted
+        for run in ("first", "second"):
+            llm.engine.reset_prefix_cache()
+            counts.clear()
+            times: list[float] = []
+            added, tokens_before = 0, llm.engine.generation_tokens_total
+            sync()
+            t0 = time.perf_counter()
+            while added < len(work) or llm.engine.has_unfinished_requests():
+                for p, m in work[added: added + ARRIVALS_PER_STEP]:
+                    llm.engine.add_request(f"{run}{added}", {"prompt_token_ids": p},
+                                           SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+                    added += 1
+                t = time.perf_counter()
+                llm.engine.step()
+                sync()
+                times.append(time.perf_counter() - t)
+            seconds = time.perf_counter() - t0
+            tokens = llm.engine.generation_tokens_total - tokens_before
+            r = {"seconds": seconds, "steps": len(times), "distinct_token_counts": len(counts),
+                 "output_tokens": tokens, "output_tokens_per_s": tokens / seconds,
+                 "step_ms_p50": 1000 * sorted(times)[len(times) // 2], "step_ms_max": 1000 * max(times)}
+            res[f"{dtype}_{run}"] = r
+            print(f"arrivals {dtype} {run}: {r}", flush=True)
+        del llm
+        release_memory()
+    return res
+
+
+def output_kinds(model: str, requests: int = 1024) -> dict:
+    """The same greedy load through ``LLM.generate`` (FINAL_ONLY: finished outputs only, each text decoded
+    once) and through the engine loop with CUMULATIVE outputs (an output per request per step, text decoded
+    as it goes, as a server streams), alternating, in one engine per dtype: the host's share of outputs."""
+    from kvpilot.daemon.engine import SamplingParams
+
+    work = w96_shaped(requests)
+    res: dict[str, Any] = {}
+    for dtype in ("bfloat16", "float32"):
+        llm = engine(model, device=DEVICE, dtype=dtype, **LOAD_SETTINGS)
+        greedy(llm, [p for p, _ in work[:8]], 4)
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+        for run in range(2):
+            for kind in ("final_only", "cumulative"):
+                llm.engine.reset_prefix_cache()
+                sync()
+                t0 = time.perf_counter()
+                if kind == "final_only":
+                    llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+                else:
+                    for i, ((p, _), sp) in enumerate(zip(work, params, strict=True)):
+                        llm.engine.add_request(f"c{run}-{i}", {"prompt_token_ids": p}, sp)
+                    while llm.engine.has_unfinished_requests():
+                        llm.engine.step()
+                sync()
+                seconds = time.perf_counter() - t0
+                res.setdefault(f"{dtype}_{kind}_s", []).append(seconds)
+                print(f"output kinds {dtype} {kind} run {run}: {seconds:.2f} s", flush=True)
+        del llm
+        release_memory()
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=MODEL)
@@ -354,7 +513,11 @@ def main() -> None:
              "logprobs": lambda: prompt_logprob_parity(args.model, reference["prompts"]),
              "graphs": lambda: graphs_on_off(args.model),
              "throughput": lambda: throughput(args.model, args.cap, tuple(args.runs.split(",")), not args.skip_hf),
-             "profile": lambda: profile_steps(args.model)}
+             "profile": lambda: profile_steps(args.model),
+             "gemm_rows": gemm_rows,
+             "host": lambda: host_profile(args.model),
+             "arrivals": lambda: arrivals(args.model, args.cap or 300),
+             "output_kinds": lambda: output_kinds(args.model, args.cap or 1024)}
     for name in args.parts.split(","):
         t0 = time.perf_counter()
         try:

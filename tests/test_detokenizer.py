@@ -15,7 +15,7 @@ from kvpilot.daemon.engine.detokenizer import (
     find_stop_string,
     partial_stop_len,
 )
-from kvpilot.daemon.engine.sampling_params import SamplingParams
+from kvpilot.daemon.engine.sampling_params import RequestOutputKind, SamplingParams
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -234,3 +234,35 @@ def test_partial_stop_len():
     checker = StopChecker("world")
     assert checker.safe_text("Hello wo") == "Hello "
     assert StopChecker(["world"], include_stop_str_in_output=True).safe_text("Hello wo") == "Hello wo"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("cut", [0, 1])
+def test_final_only_decodes_once_at_the_end_to_the_same_text(tok, prompt, skip, cut):
+    """FINAL_ONLY without stop strings defers the decode to finish(): one decode call, and the text the
+    incremental path gives (split characters, special tokens, an output cut inside a character)."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = [i for t in TEXTS for i in tok.encode(t) + [im_end]]
+    ids = ids[: len(ids) - cut - 2]  # cut=1 ends inside a character
+    params = {"skip_special_tokens": skip, "max_tokens": None}
+    incremental = TextStream(tok, prompt, SamplingParams(**params))
+    counting = CountingTokenizer(tok)
+    deferred = TextStream(counting, prompt, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params))
+    assert [deferred.append(i) for i in ids] == [""] * len(ids)
+    assert counting.sizes == []  # nothing decoded while tokens come in
+    for i in ids:
+        incremental.append(i)
+    incremental.finish()
+    deferred.finish()
+    assert len(counting.sizes) == 2  # the prompt context, then context and output together
+    assert deferred.text == incremental.text == full_decode(tok, ids, skip)
+
+
+def test_final_only_with_stop_strings_still_decodes_as_it_goes(tok, prompt):
+    ids = tok.encode("alpha beta STOP gamma")
+    stream = TextStream(tok, prompt, SamplingParams(stop="STOP", output_kind=RequestOutputKind.FINAL_ONLY))
+    for i in ids:
+        stream.append(i)
+        if stream.stopped:
+            break
+    assert stream.stopped and stream.text == "alpha beta "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.engine import LLM, BeamSearchParams, SamplingParams
+from kvpilot.daemon.engine import LLM, BeamSearchParams, RequestOutputKind, SamplingParams
 from support.engine import all_free
 
 
@@ -108,3 +108,40 @@ def test_warm_up_fits_a_tiny_max_model_len():
     assert tiny.engine.runner.warmed_up
     out = tiny.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 1
+
+
+def test_generate_asks_only_for_final_outputs_and_gets_the_streamed_text(llm):
+    """LLM.generate runs its requests as FINAL_ONLY (the engine returns finished outputs only, and decodes
+    each text once at the end); the texts and tokens are what a server's CUMULATIVE stream ends with."""
+    prompts = ["Write a haiku about the sea.", "Emoji party: 🎉", "List three colors:"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=24, skip_special_tokens=False),
+              SamplingParams(temperature=0, max_tokens=40, stop=["\n\n", "4."])]
+    offline = llm.generate(prompts, params, use_tqdm=False)
+    assert all(p.output_kind is RequestOutputKind.CUMULATIVE for p in params)  # the caller's params untouched
+
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"cumulative{i}", prompt, p)
+    final, per_step = {}, []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        per_step.append(len(outs))
+        final.update({o.request_id: o for o in outs if o.finished})
+    assert max(per_step) == 3  # a CUMULATIVE request has an output every step it runs
+    for i, out in enumerate(offline):
+        streamed = final[f"cumulative{i}"].outputs[0]
+        assert out.outputs[0].text == streamed.text and out.outputs[0].text
+        assert out.outputs[0].token_ids == streamed.token_ids
+        assert out.outputs[0].finish_reason == streamed.finish_reason
+    assert offline[2].outputs[0].finish_reason == final["cumulative2"].outputs[0].finish_reason
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"final{i}", prompt, SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True,
+                                                               output_kind=RequestOutputKind.FINAL_ONLY))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step()
+    assert [o.request_id for o in seen] == ["final0", "final1", "final2"]  # each once, when it finished
+    assert all(o.finished and len(o.outputs[0].token_ids) == 8 + 4 * i for i, o in enumerate(seen))
+    assert all_free(llm)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.engine import SamplingParams
+from kvpilot.daemon.engine import RequestOutputKind, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -15,8 +15,16 @@ from kvpilot.daemon.engine import SamplingParams
         ({"temperature": -1.0}, "temperature"),
         ({"n": 0}, "n"),
         ({"logprobs": 50}, "logprobs"),
+        ({"output_kind": 1}, "output_kind"),  # vLLM's DELTA: not offered here
+        ({"output_kind": True}, "output_kind"),
+        ({"output_kind": "FINAL_ONLY"}, "output_kind"),
     ],
 )
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_output_kind_takes_vllm_values():
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY

@@ -2,7 +2,7 @@
 
 from .config import EngineConfig
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -10,6 +10,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "SamplingParams",
+    "RequestOutputKind",
     "BeamSearchParams",
     "RequestOutput",
     "CompletionOutput",

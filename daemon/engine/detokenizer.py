@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as left context for the first output tokens (vLLM uses 5 as well).
@@ -75,6 +75,11 @@ class IncrementalDetokenizer:
         self._prefix_text = None
         self.text += delta
         return delta
+
+    def append_deferred(self, token_id: int) -> None:
+        """Add one token without decoding it: ``flush`` decodes all such tokens in one call (the same text as
+        appending them one by one, since each window is decoded with its left context)."""
+        self._ids.append(token_id)
 
     def flush(self) -> str:
         """At the end of generation: release text held back for an incomplete character, decoded
@@ -157,6 +162,10 @@ class TextStream:
     (cut at the stop string once one matched); `emitted_text` is what has been streamed. Call
     `finish()` when the sequence ends for another reason (eos, stop token, length, abort): it
     releases what was held back and returns it.
+
+    A request that wants only its final output (``RequestOutputKind.FINAL_ONLY``) and has no stop string
+    to look for is decoded once, at ``finish()``: nothing reads its text before, and one decode of the
+    whole output costs less than two small decodes per token.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -166,6 +175,7 @@ class TextStream:
         self.stop_reason: str | None = None  # the stop string that ended the sequence
         self._emitted = 0
         self._finished = False
+        self._deferred = params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop_list
 
     @property
     def stopped(self) -> bool:
@@ -177,6 +187,9 @@ class TextStream:
 
     def append(self, token_id: int) -> str:
         if self._finished:
+            return ""
+        if self._deferred:
+            self.detokenizer.append_deferred(token_id)
             return ""
         return self._add(self.detokenizer.append(token_id), final=False)
 

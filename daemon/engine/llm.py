@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -28,6 +28,18 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
+
+
+def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
+    """The offline API returns finished outputs only, so it asks the engine for nothing else (as vLLM's LLM
+    does); on copies, leaving the caller's params as they were."""
+    copies: dict[int, SamplingParams] = {}
+    out = []
+    for p in params_list:
+        if p.output_kind != RequestOutputKind.FINAL_ONLY and id(p) not in copies:
+            copies[id(p)] = replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+        out.append(copies.get(id(p), p))
+    return out
 
 
 class LLM:
@@ -67,6 +79,7 @@ class LLM:
         for p in params_list:
             if p.use_beam_search:
                 raise ValueError("use_beam_search: call LLM.beam_search with BeamSearchParams")
+        params_list = _final_only(params_list)
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):

@@ -18,7 +18,7 @@ from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import Request
 from .runner import ModelRunner, SeqBatchEntry
 from .sampler import Sampler, SampleResult, SamplingState, make_generator
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 
@@ -207,7 +207,8 @@ class LLMEngine:
         self._store_prompt_logprobs(out, entries)
         self.scheduler.update_after_step(out)
         touched = self._sample(out, logits, time.monotonic())
-        return [self._make_output(r) for r in failed + list(touched.values())]
+        return [self._make_output(r) for r in failed + list(touched.values())
+                if r.params.output_kind == RequestOutputKind.CUMULATIVE or r.finished]
 
     def structured_outputs(self) -> StructuredOutputs:
         """The grammar compiler and masker (made on first use)."""

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .structured.spec import StructuredOutputSpec
+
+
+class RequestOutputKind(IntEnum):
+    """Which outputs ``LLMEngine.step`` returns for a request (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # every step that touched it, with the text and tokens so far (servers stream these)
+    FINAL_ONLY = 2  # only the finished output: no per-step output, and its text is decoded once at the end
 
 
 @dataclass
@@ -37,6 +45,7 @@ class SamplingParams:
     # A grammar the output must match: a StructuredOutputSpec, or vLLM's dict form
     # ({"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": True}).
     structured_outputs: StructuredOutputSpec | dict[str, Any] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # LLM.generate asks for FINAL_ONLY
     stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -91,6 +100,14 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                if isinstance(self.output_kind, bool):
+                    raise ValueError
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                kinds = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+                raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind!r}") from None
         self._validate_logit_bias()
         self._validate_structured_outputs()
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
