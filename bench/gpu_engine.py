@@ -279,31 +279,41 @@ def default_sizing(model: str) -> dict:
     return res
 
 
+def add_greedy_load(llm, work: list[tuple[list[int], int]]) -> None:
+    """Queue ``work`` (prompt ids, output length) as greedy requests p0, p1, ... that ignore EOS."""
+    from kvpilot.daemon.engine import SamplingParams
+
+    for i, (p, m) in enumerate(work):
+        llm.engine.add_request(f"p{i}", {"prompt_token_ids": p},
+                               SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+
+
+def timed_step(llm) -> float:
+    """One engine step, with the GPU's work in it: seconds."""
+    sync()
+    t0 = time.perf_counter()
+    llm.engine.step()
+    sync()
+    return time.perf_counter() - t0
+
+
 def profile_steps(model: str, requests: int = 400, steps: int = 120, profiled: tuple[int, int] = (60, 75)) -> dict:
     """Per-step wall time for the first ``steps`` steps of a w1024-shaped load, per dtype, and the
     profiler's top kernels over a window of them: where a slow dtype loses its time."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kvpilot.daemon.engine import SamplingParams
-
     work = w96_shaped(requests)
     res: dict[str, Any] = {}
     for dtype in ("float32", "bfloat16"):
         llm = engine(model, device=DEVICE, dtype=dtype, **LOAD_SETTINGS)
-        for i, (p, m) in enumerate(work):
-            llm.engine.add_request(f"p{i}", {"prompt_token_ids": p},
-                                   SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        add_greedy_load(llm, work)
         times = []
         table = ""
         for k in range(steps):
             if k == profiled[0]:
                 prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 prof.__enter__()
-            sync()
-            t0 = time.perf_counter()
-            llm.engine.step()
-            sync()
-            times.append(time.perf_counter() - t0)
+            times.append(timed_step(llm))
             if k == profiled[1]:
                 prof.__exit__(None, None, None)
                 table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
@@ -357,25 +367,17 @@ def host_profile(model: str, requests: int = 400, steps: int = 100, window: tupl
     import io
     import pstats
 
-    from kvpilot.daemon.engine import SamplingParams
-
     work = w96_shaped(requests)
     res: dict[str, Any] = {}
     for label in ("profiled", "timed"):
         llm = engine(model, device=DEVICE, dtype="bfloat16", **LOAD_SETTINGS)
-        for i, (p, m) in enumerate(work):
-            llm.engine.add_request(f"p{i}", {"prompt_token_ids": p},
-                                   SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        add_greedy_load(llm, work)
         prof = cProfile.Profile()
         times = []
         for k in range(steps):
             if label == "profiled" and k == window[0]:
                 prof.enable()
-            sync()
-            t0 = time.perf_counter()
-            llm.engine.step()
-            sync()
-            times.append(time.perf_counter() - t0)
+            times.append(timed_step(llm))
             if label == "profiled" and k == window[1] - 1:
                 prof.disable()
         llm.engine.abort_request([f"p{i}" for i in range(len(work))])
