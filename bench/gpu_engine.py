@@ -52,10 +52,15 @@ def engine(model: str, **kwargs: Any):
     return LLM(model=model, **kwargs)
 
 
-def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy_params(max_tokens: int):
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored), as every load here asks."""
     from kvpilot.daemon.engine import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = greedy_params(max_tokens)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -202,14 +207,13 @@ def graphs_on_off(model: str) -> dict:
 
 
 def timed_engine_run(model: str, work: list[tuple[list[int], int]], dtype: str) -> dict:
-    from kvpilot.daemon.engine import SamplingParams
 
     t_start = time.perf_counter()
     llm = engine(model, device=DEVICE, dtype=dtype, **LOAD_SETTINGS)
     start_s = time.perf_counter() - t_start
     greedy(llm, [p for p, _ in work[:8]], 4)
     llm.engine.reset_prefix_cache()
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+    params = [greedy_params(m) for _, m in work]
     sync()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
@@ -279,13 +283,14 @@ def default_sizing(model: str) -> dict:
     return res
 
 
-def add_greedy_load(llm, work: list[tuple[list[int], int]]) -> None:
-    """Queue ``work`` (prompt ids, output length) as greedy requests p0, p1, ... that ignore EOS."""
-    from kvpilot.daemon.engine import SamplingParams
-
-    for i, (p, m) in enumerate(work):
-        llm.engine.add_request(f"p{i}", {"prompt_token_ids": p},
-                               SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+def add_greedy_load(llm, work: list[tuple[list[int], int]], prefix: str = "p", start: int = 0) -> list[str]:
+    """Queue ``work`` (prompt ids, output length) as greedy requests ``prefix``+start, +start+1, ...;
+    returns their ids."""
+    ids = []
+    for i, (p, m) in enumerate(work, start=start):
+        llm.engine.add_request(f"{prefix}{i}", {"prompt_token_ids": p}, greedy_params(m))
+        ids.append(f"{prefix}{i}")
+    return ids
 
 
 def timed_step(llm) -> float:
@@ -306,7 +311,7 @@ def profile_steps(model: str, requests: int = 400, steps: int = 120, profiled: t
     res: dict[str, Any] = {}
     for dtype in ("float32", "bfloat16"):
         llm = engine(model, device=DEVICE, dtype=dtype, **LOAD_SETTINGS)
-        add_greedy_load(llm, work)
+        ids = add_greedy_load(llm, work)
         times = []
         table = ""
         for k in range(steps):
@@ -317,7 +322,7 @@ def profile_steps(model: str, requests: int = 400, steps: int = 120, profiled: t
             if k == profiled[1]:
                 prof.__exit__(None, None, None)
                 table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
-        llm.engine.abort_request([f"p{i}" for i in range(len(work))])
+        llm.engine.abort_request(ids)
         del llm
         release_memory()
         res[dtype] = {"step_ms": [round(1000 * t, 2) for t in times], "total_s": sum(times),
@@ -371,7 +376,7 @@ def host_profile(model: str, requests: int = 400, steps: int = 100, window: tupl
     res: dict[str, Any] = {}
     for label in ("profiled", "timed"):
         llm = engine(model, device=DEVICE, dtype="bfloat16", **LOAD_SETTINGS)
-        add_greedy_load(llm, work)
+        ids = add_greedy_load(llm, work)
         prof = cProfile.Profile()
         times = []
         for k in range(steps):
@@ -380,7 +385,7 @@ def host_profile(model: str, requests: int = 400, steps: int = 100, window: tupl
             times.append(timed_step(llm))
             if label == "profiled" and k == window[1] - 1:
                 prof.disable()
-        llm.engine.abort_request([f"p{i}" for i in range(len(work))])
+        llm.engine.abort_request(ids)
         del llm
         release_memory()
         entry: dict[str, Any] = {"window_s": sum(times[window[0]:window[1]]), "total_s": sum(times),
@@ -403,7 +408,6 @@ def arrivals(model: str, requests: int = 300) -> dict:
     """Requests of w96's shape arriving a few per step, as a server sees them, so that nearly every step
     has a token count of its own (the engine loop, CUMULATIVE outputs, as the daemon runs it); per dtype,
     after a first run that compiles the kernels."""
-    from kvpilot.daemon.engine import SamplingParams
 
     res: dict[str, Any] = {}
     work = w96_shaped(requests)
@@ -425,14 +429,8 @@ def arrivals(model: str, requests: int = 300) -> dict:
             sync()
             t0 = time.perf_counter()
             while added < len(work) or llm.engine.has_unfinished_requests():
-                for p, m in work[added: added + ARRIVALS_PER_STEP]:
-                    llm.engine.add_request(f"{run}{added}", {"prompt_token_ids": p},
-                                           SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
-                    added += 1
-                t = time.perf_counter()
-                llm.engine.step()
-                sync()
-                times.append(time.perf_counter() - t)
+                added += len(add_greedy_load(llm, work[added: added + ARRIVALS_PER_STEP], run, added))
+                times.append(timed_step(llm))
             seconds = time.perf_counter() - t0
             tokens = llm.engine.generation_tokens_total - tokens_before
             r = {"seconds": seconds, "steps": len(times), "distinct_token_counts": len(counts),
@@ -449,14 +447,13 @@ def output_kinds(model: str, requests: int = 1024) -> dict:
     """The same greedy load through ``LLM.generate`` (FINAL_ONLY: finished outputs only, each text decoded
     once) and through the engine loop with CUMULATIVE outputs (an output per request per step, text decoded
     as it goes, as a server streams), alternating, in one engine per dtype: the host's share of outputs."""
-    from kvpilot.daemon.engine import SamplingParams
 
     work = w96_shaped(requests)
     res: dict[str, Any] = {}
     for dtype in ("bfloat16", "float32"):
         llm = engine(model, device=DEVICE, dtype=dtype, **LOAD_SETTINGS)
         greedy(llm, [p for p, _ in work[:8]], 4)
-        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
+        params = [greedy_params(m) for _, m in work]
         for run in range(2):
             for kind in ("final_only", "cumulative"):
                 llm.engine.reset_prefix_cache()
@@ -465,8 +462,7 @@ def output_kinds(model: str, requests: int = 1024) -> dict:
                 if kind == "final_only":
                     llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
                 else:
-                    for i, ((p, _), sp) in enumerate(zip(work, params, strict=True)):
-                        llm.engine.add_request(f"c{run}-{i}", {"prompt_token_ids": p}, sp)
+                    add_greedy_load(llm, work, f"c{run}-")
                     while llm.engine.has_unfinished_requests():
                         llm.engine.step()
                 sync()

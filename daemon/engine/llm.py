@@ -30,16 +30,12 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def _final_only(params_list: list[SamplingParams]) -> list[SamplingParams]:
+def _final_only(params: SamplingParams) -> SamplingParams:
     """The offline API returns finished outputs only, so it asks the engine for nothing else (as vLLM's LLM
-    does); on copies, leaving the caller's params as they were."""
-    copies: dict[int, SamplingParams] = {}
-    out = []
-    for p in params_list:
-        if p.output_kind != RequestOutputKind.FINAL_ONLY and id(p) not in copies:
-            copies[id(p)] = replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-        out.append(copies.get(id(p), p))
-    return out
+    does); on a copy, leaving the caller's params as they were."""
+    if params.output_kind == RequestOutputKind.FINAL_ONLY:
+        return params
+    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class LLM:
@@ -79,7 +75,7 @@ class LLM:
         for p in params_list:
             if p.use_beam_search:
                 raise ValueError("use_beam_search: call LLM.beam_search with BeamSearchParams")
-        params_list = _final_only(params_list)
+        params_list = [_final_only(p) for p in params_list]
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):

@@ -100,14 +100,10 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
-        if not isinstance(self.output_kind, RequestOutputKind):
-            try:
-                if isinstance(self.output_kind, bool):
-                    raise ValueError
-                self.output_kind = RequestOutputKind(self.output_kind)
-            except ValueError:
-                kinds = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
-                raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind!r}") from None
+        if not _is_int(self.output_kind) or self.output_kind not in set(RequestOutputKind):
+            kinds = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be one of {kinds}, got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         self._validate_logit_bias()
         self._validate_structured_outputs()
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
