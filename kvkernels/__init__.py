@@ -1,9 +1,9 @@
 """Paged KV-cache kernels with backend dispatch.
 
 The engine imports only from here. Triton runs when the tensors are on CUDA and triton is
-importable. On the CPU, float32 queries over a float32 or float16 cache go to the native kernels
-(``cpu_native``, built on first use: decode rows and prefill chunks in C, each reading the paged cache
-in place) when a C compiler is there, and everything else to the torch reference; ``store_kv`` of
+importable. On the CPU, float32 or bfloat16 queries over a float32, bfloat16 or float16 cache go to the
+native kernels (``cpu_native``, built on first use: decode rows and prefill chunks in C, each reading the
+paged cache in place and computing in float32) when a C compiler is there, and everything else to the torch reference; ``store_kv`` of
 float32 rows goes to C as well. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
 one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``). Triton is
 optional: it is imported on first use only.
@@ -87,8 +87,8 @@ def attention_backend_for(query: torch.Tensor, k_cache: torch.Tensor) -> str:
     if forced != "torch" and cpu_native.supports(query, k_cache):
         return "cpu"
     if forced == "cpu":
-        raise RuntimeError(f"{_ENV}=cpu needs float32 CPU queries, a float32 or float16 cache and a built "
-                           f"kernel ({cpu_native.build_error() or 'unsupported tensors'})")
+        raise RuntimeError(f"{_ENV}=cpu needs float32 or bfloat16 CPU queries, a float32, bfloat16 or float16 "
+                           f"cache and a built kernel ({cpu_native.build_error() or 'unsupported tensors'})")
     return "torch"
 
 

@@ -62,10 +62,13 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 # the C entry point per cache dtype, bound once the library is loaded (float16 only where built)
-_ENTRY_POINTS = {torch.float32: "f32", torch.float16: "f16kv"}
+_ENTRY_POINTS = {torch.float32: "f32", torch.float16: "f16kv", torch.bfloat16: "bf16kv"}
+# query dtypes the attention kernels take: bfloat16 queries (a bfloat16 model's) are widened on the way in
+_QUERY_DTYPES = (torch.float32, torch.bfloat16)
 _fns: dict[torch.dtype, Callable[..., int]] = {}  # decode
 _prefill_fns: dict[torch.dtype, Callable[..., int]] = {}
-_store_fns: dict[torch.dtype, Callable[..., int]] = {}
+# by cache dtype for float32 rows, by (rows, cache) dtype for 16-bit rows copied into a cache of their type
+_store_fns: dict[torch.dtype | tuple[torch.dtype, torch.dtype], Callable[..., int]] = {}
 _row_fns: dict[str, Callable[..., None]] = {}  # the plain float32 entry points, by C name without "kvpilot_"
 _build_constants: dict[str, int] = {}  # e.g. panel_width, read from the library when it is bound
 
@@ -143,6 +146,9 @@ def _load() -> ctypes.CDLL | None:
             _fns.update(_bind(lib, "kvpilot_paged_decode_", _ATTENTION_ARGS))
             _prefill_fns.update(_bind(lib, "kvpilot_paged_prefill_", _ATTENTION_ARGS))
             _store_fns.update(_bind(lib, "kvpilot_store_kv_", _STORE_ARGS))
+            copy16 = lib.kvpilot_store_kv_copy16
+            copy16.argtypes, copy16.restype = _STORE_ARGS, ctypes.c_int
+            _store_fns.update({(dtype, dtype): copy16 for dtype in (torch.bfloat16, torch.float16)})
             _bind_row_kernels(lib)
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -158,12 +164,12 @@ _STORE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I64]
 
 
 def _bind(lib: ctypes.CDLL, prefix: str, argtypes: list) -> dict[torch.dtype, Callable[..., int]]:
-    """One kernel's entry points by cache dtype (``prefix`` + f32 / f16kv), all with ``argtypes``."""
+    """One kernel's entry points by cache dtype (``prefix`` + f32 / f16kv / bf16kv), all with ``argtypes``."""
     fns = {}
     for dtype, suffix in _ENTRY_POINTS.items():
         name = prefix + suffix
         if dtype is not torch.float32 and not hasattr(lib, name):
-            continue  # a compiler without _Float16 builds the float32 kernel only
+            continue  # a compiler without _Float16 builds no float16 kernel; store_kv has no bfloat16 one
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
@@ -176,7 +182,9 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = _P, _I64, _I32, _F32
     for name, argtypes in (("greedy_stats", [p, i64, i32, i32, p, p, p, i32]),
                            ("silu_mul_f32", [p, i64, i32, i32, p, i32]),
+                           ("silu_mul_bf16", [p, i64, i32, i32, p, i32]),
                            ("rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32]),
+                           ("rms_norm_bf16", [p, i64, i32, i32, p, f32, p, i32]),
                            ("pack_panels_f32", [p, i64, i32, i32, p, i32]),
                            ("panel_gemm_f32", [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32])):
         fn = getattr(lib, "kvpilot_" + name)
@@ -209,9 +217,10 @@ def _row_kernel(name: str) -> Callable[..., None] | None:
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
     """``kernels.store_kv`` in one native pass: float32 CPU key/value ``[T, kvh, d]`` (each token's heads
-    contiguous, rows any stride apart) into contiguous float32 or float16 caches. False, with nothing
-    written, where it does not apply (the caller uses the torch reference, which also reports bad input)."""
-    if not (key.is_cpu and key.dtype is torch.float32 and value.dtype is torch.float32 and key.dim() == 3
+    contiguous, rows any stride apart) into contiguous float32 or float16 caches, or bfloat16/float16 ones
+    into a cache of their own dtype. False, with nothing written, where it does not apply (the caller uses
+    the torch reference, which also reports bad input)."""
+    if not (key.is_cpu and value.dtype is key.dtype and key.dim() == 3
             and value.shape == key.shape and k_cache.dtype is v_cache.dtype and k_cache.shape == v_cache.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dim() == 1):
         return False
@@ -219,9 +228,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if (k_cache.dim() != 4 or k_cache.shape[2] != kvh or k_cache.shape[3] != d or slot_mapping.shape[0] > tokens
             or key.stride(2) != 1 or key.stride(1) != d or value.stride(2) != 1 or value.stride(1) != d):
         return False
-    fn = _store_fns.get(k_cache.dtype)
+    kind = k_cache.dtype if key.dtype is torch.float32 else (key.dtype, k_cache.dtype)
+    fn = _store_fns.get(kind)
     if fn is None and _load() is not None:
-        fn = _store_fns.get(k_cache.dtype)
+        fn = _store_fns.get(kind)
     if fn is None:
         return False
     slots = slot_mapping if slot_mapping.dtype is torch.int64 and slot_mapping.is_contiguous() else (
@@ -237,14 +247,28 @@ def _rows_f32(t: torch.Tensor) -> bool:
     return t.is_cpu and t.dtype is torch.float32 and t.dim() == 2 and t.stride(1) == 1
 
 
+# the elementwise kernels' variants by dtype: bfloat16 ones round op by op as HF's bfloat16 modules do
+_ELEMENTWISE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _elementwise_rows(t: torch.Tensor) -> str | None:
+    """The elementwise kernels' suffix for a CPU matrix with contiguous rows (any row stride) of a dtype
+    they take; None otherwise."""
+    if not (t.is_cpu and t.dim() == 2 and t.stride(1) == 1):
+        return None
+    return _ELEMENTWISE_SUFFIX.get(t.dtype)
+
+
 # silu_mul and rms_norm run twice per layer per step: their checks stay few (a few us per call is a
 # measurable share of a small decode step)
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` of a fused ``[rows, 2 * inter]`` gate|up projection, as a new contiguous
-    ``[rows, inter]`` tensor; None where the kernel is unavailable or the input is not such a matrix."""
-    if not _rows_f32(gate_up) or gate_up.shape[1] % 2:
+    """``silu(gate) * up`` of a fused ``[rows, 2 * inter]`` float32 or bfloat16 gate|up projection, as a new
+    contiguous ``[rows, inter]`` tensor; None where the kernel is unavailable or the input is not such a
+    matrix."""
+    suffix = _elementwise_rows(gate_up)
+    if suffix is None or gate_up.shape[1] % 2:
         return None
-    fn = _row_kernel("silu_mul_f32")
+    fn = _row_kernel("silu_mul_" + suffix)
     if fn is None:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -256,11 +280,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of each row of ``x`` [rows, dim], scaled by ``weight`` [dim]; None where the kernel is
-    unavailable or the tensors are not float32 CPU rows (use torch then)."""
-    if (not _rows_f32(x) or weight.dtype is not torch.float32 or not weight.is_cpu or not weight.is_contiguous()
+    unavailable or the tensors are not float32 or bfloat16 CPU rows of one dtype (use torch then)."""
+    suffix = _elementwise_rows(x)
+    if (suffix is None or weight.dtype is not x.dtype or not weight.is_cpu or not weight.is_contiguous()
             or weight.dim() != 1 or weight.shape[0] != x.shape[1]):
         return None
-    fn = _row_kernel("rms_norm_f32")
+    fn = _row_kernel("rms_norm_" + suffix)
     if fn is None:
         return None
     out = x.new_empty(x.shape)
@@ -353,11 +378,11 @@ def build_error() -> str | None:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """float32 CPU queries over a float32 or (where built) float16 cache, in the layouts the kernel
-    reads (see the C source)."""
+    """float32 or bfloat16 CPU queries over a float32, bfloat16 or (where built) float16 cache, in the
+    layouts the kernel reads (see the C source)."""
     return (
         query.device.type == "cpu"
-        and query.dtype == torch.float32
+        and query.dtype in _QUERY_DTYPES
         and query.stride(2) == 1
         and query.stride(1) == query.shape[2]
         and k_cache.is_contiguous()
@@ -448,7 +473,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention``: decode rows and prefill chunks in C, each by its
-    kernel."""
+    kernel. The kernels compute in float32: bfloat16 queries are widened first (exact) and the output is
+    rounded back, as a bfloat16 model's SDPA would round its float32 accumulators."""
     del max_context_len  # the C kernel bounds every row by its own context length
     num_tokens, num_heads, _ = query.shape
     if num_heads % k_cache.shape[2]:
@@ -457,7 +483,10 @@ def paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype)
     if num_tokens == 0 or context_lens.shape[0] == 0:
         return out
-    target = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype)
+    if query.dtype is not torch.float32:
+        query = query.float()
+    direct = out.is_contiguous() and out.dtype is torch.float32  # the kernels write float32 rows in place
+    target = out if direct else torch.empty(out.shape, dtype=torch.float32)
     paged_decode(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window,
                  target)
     if max_query_len is None or max_query_len > 1:

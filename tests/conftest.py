@@ -18,6 +18,6 @@ os.environ.setdefault("KVPILOT_POPULATE_KV", "0")
 def llm() -> LLM:
     """The real small model, once a module (loading it is the slow part); a module that wants other
     settings defines its own `llm`, which wins over this one. float32 on every machine: "auto" is
-    bfloat16 where the CPU has AMX, and the tests' exact comparisons (a seeded request
+    bfloat16 where the CPU has AMX or AVX512-BF16, and the tests' exact comparisons (a seeded request
     alone and in a batch) are float32's."""
     return LLM(model="builtin://smollm2-135m", dtype="float32", num_kv_blocks=256)

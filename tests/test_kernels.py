@@ -450,6 +450,8 @@ def _spy_prefill(monkeypatch, dtype):
         (3, 40, 16, 7, torch.float32),  # a head size off the 32-wide output tile
         (3, 64, 16, 33, torch.float16),
         (2, 80, 32, None, torch.float16),
+        (3, 64, 16, 33, torch.bfloat16),
+        (2, 80, 32, None, torch.bfloat16),
     ],
 )
 def test_native_cpu_prefill_kernel(monkeypatch, group, d, bs, window, kv_dtype):
@@ -484,18 +486,23 @@ def test_native_cpu_prefill_wide_groups_fall_back_to_sdpa(monkeypatch):
 
 
 @needs_cc
-def test_dispatch_picks_native_cpu_for_float32(monkeypatch):
+def test_dispatch_picks_native_cpu_for_float32_and_bfloat16(monkeypatch):
     monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
     f32 = make_case([20], [1], kvh=1, group=2, d=64, bs=16, dtype=torch.float32, seed=3, fill=0.0)
     bf16 = make_case([20], [1], kvh=1, group=2, d=64, bs=16, dtype=torch.bfloat16, seed=3, fill=0.0)
+    fp16 = make_case([20], [1], kvh=1, group=2, d=64, bs=16, dtype=torch.float16, seed=3, fill=0.0)
     assert K.attention_backend_for(f32.query, f32.k_cache) == "cpu"
-    assert K.attention_backend_for(bf16.query, bf16.k_cache) == "torch"  # the kernel is float32 only
+    assert K.attention_backend_for(bf16.query, bf16.k_cache) == "cpu"  # a bfloat16 model: widened queries
+    assert K.attention_backend_for(fp16.query, fp16.k_cache) == "torch"  # float16 queries: the reference
     monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "torch")
     assert K.attention_backend_for(f32.query, f32.k_cache) == "torch"
     monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "cpu")
     assert_close(K.paged_attention(*f32.args()), dense_batch(f32), torch.float32)
-    with pytest.raises(RuntimeError, match="float32"):
-        K.paged_attention(*bf16.args())
+    got = K.paged_attention(*bf16.args())
+    assert got.dtype == torch.bfloat16
+    assert_close(got, dense_batch(bf16), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16 CPU queries"):
+        K.paged_attention(*fp16.args())
 
 
 def _compiler_has_float16() -> bool:
@@ -505,51 +512,75 @@ def _compiler_has_float16() -> bool:
     return "__FLT16_MAX__" in r.stdout
 
 
-def _float16_entry_point(monkeypatch) -> list[tuple[int, int]]:
-    """Spy on the C float16 entry point (the (k, v) cache pointers of each call) and unbind the float32
-    one, so a call that did not run the float16 variant shows."""
+def _decode_entry_point(monkeypatch, kv_dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Spy on the C decode entry point of ``kv_dtype`` caches (the (k, v) cache pointers of each call) and
+    unbind the float32 one, so a call that did not run that variant shows."""
     from kvpilot.kernels import cpu_native
 
-    if torch.float16 not in cpu_native.cache_dtypes():
+    if kv_dtype not in cpu_native.cache_dtypes():
+        assert kv_dtype == torch.float16, f"every build has the {kv_dtype} kernel"
         assert not _compiler_has_float16(), "the compiler has _Float16 but the kernel has no float16 entry point"
-        pytest.skip("the C compiler has no _Float16: the kernel reads float32 caches only")
+        pytest.skip("the C compiler has no _Float16: the kernel reads no float16 caches")
     calls: list[tuple[int, int]] = []
-    real = cpu_native._fns[torch.float16]
+    real = cpu_native._fns[kv_dtype]
 
     def spy(*args):
         calls.append((args[2], args[3]))
         return real(*args)
 
-    monkeypatch.setitem(cpu_native._fns, torch.float16, spy)
+    monkeypatch.setitem(cpu_native._fns, kv_dtype, spy)
     monkeypatch.delitem(cpu_native._fns, torch.float32)
     return calls
 
 
 @needs_cc
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "group,d,bs,window",
     [(1, 64, 16, None), (3, 64, 16, None), (8, 128, 32, None), (3, 64, 32, 5), (6, 64, 16, 7), (2, 36, 16, 40),
      (2, 256, 16, None)],
 )
-def test_native_cpu_float16_cache(monkeypatch, group, d, bs, window):
-    # d=36 leaves a tail after the 8-wide F16C conversions; 36 and 256 take the plain loops, 64 and 128 the
+def test_native_cpu_16bit_cache(monkeypatch, group, d, bs, window, kv_dtype):
+    # d=36 leaves a tail after the 8-wide conversions; 36 and 256 take the plain loops, 64 and 128 the
     # vector path (groups of 6 and 8: its V rows go to 4 heads at a time)
     from kvpilot.kernels import cpu_native
 
     ctx, ql = mixed_lens(bs)
     case = make_case(ctx + [3 * bs], ql + [1], kvh=2, group=group, d=d, bs=bs, dtype=torch.float32, seed=group + d)
-    half = as_cache(case, torch.float16)  # NaN in the unused slots stays NaN
-    # the float32 kernel over the very values the float16 cache holds: widening them is exact
-    same_values = cpu_native.paged_attention(*half.args(half.k_cache.float(), half.v_cache.float()),
+    narrow = as_cache(case, kv_dtype)  # NaN in the unused slots stays NaN
+    # the float32 kernel over the very values the 16-bit cache holds: widening them is exact
+    same_values = cpu_native.paged_attention(*narrow.args(narrow.k_cache.float(), narrow.v_cache.float()),
                                              sliding_window=window)
-    calls = _float16_entry_point(monkeypatch)
-    got = cpu_native.paged_attention(*half.args(), sliding_window=window)
-    assert calls == [(half.k_cache.data_ptr(), half.v_cache.data_ptr())]
+    calls = _decode_entry_point(monkeypatch, kv_dtype)
+    got = cpu_native.paged_attention(*narrow.args(), sliding_window=window)
+    assert calls == [(narrow.k_cache.data_ptr(), narrow.v_cache.data_ptr())]
     assert got.dtype == torch.float32
     assert_close(got, same_values, torch.float32)
-    assert_close(got, dense_batch(half, window), torch.float32)
-    # against the unrounded float32 values: off by what float16 storage costs (2^-11 relative per value)
-    assert_close(got, dense_batch(case, window), torch.float16)
+    assert_close(got, dense_batch(narrow, window), torch.float32)
+    # against the unrounded float32 values: off by what the storage costs (2^-11 / 2^-8 relative per value)
+    assert_close(got, dense_batch(case, window), kv_dtype)
+
+
+@needs_cc
+def test_native_cpu_bfloat16_queries_over_a_bfloat16_cache(monkeypatch):
+    # a bfloat16 model: queries widened (exactly) on the way in, the float32 result rounded once on the way out
+    from kvpilot.kernels import cpu_native
+
+    ctx, ql = mixed_lens(16)
+    case = make_case(ctx, ql, kvh=3, group=3, d=64, bs=16, dtype=torch.bfloat16, seed=11)
+    widened = replace(case, query=case.query.float())
+    want = cpu_native.paged_attention(*widened.args())  # the float32-query call over the same cache
+    calls = _decode_entry_point(monkeypatch, torch.bfloat16)
+    prefill_calls = _spy_prefill(monkeypatch, torch.bfloat16)
+    got = cpu_native.paged_attention(*case.args())
+    assert got.dtype == torch.bfloat16 and len(calls) == 1 and prefill_calls == [len(ctx)]
+    assert torch.equal(got, want.to(torch.bfloat16))
+    assert_close(got, dense_batch(case), torch.bfloat16)
+    # a strided out (rows of a wider buffer) gets the same values, and rows past the batch stay untouched
+    buf = torch.full((got.shape[0] + 2, got.shape[1], 2 * got.shape[2]), 7.0, dtype=torch.bfloat16)
+    out = buf[:, :, : got.shape[2]]
+    cpu_native.paged_attention(*case.args(), out=out)
+    assert torch.equal(out[: got.shape[0]], got) and bool((buf[got.shape[0]:] == 7.0).all())
 
 
 @needs_cc
@@ -562,7 +593,7 @@ def test_native_cpu_float16_cache_ragged_and_threads(monkeypatch):
     ql = [1] * 37 + [ctx[37], min(3, ctx[38]), 1]
     case = as_cache(make_case(ctx, ql, kvh=3, group=3, d=64, bs=16, dtype=torch.float32, seed=7), torch.float16)
     want = dense_batch(case)
-    calls = _float16_entry_point(monkeypatch)
+    calls = _decode_entry_point(monkeypatch, torch.float16)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 5):
@@ -584,10 +615,10 @@ def test_dispatch_picks_native_cpu_for_float16_caches(monkeypatch):
         half = as_cache(f32, torch.float16)
         assert K.attention_backend_for(half.query, half.k_cache) == "cpu"
         assert_close(K.paged_attention(*half.args()), dense_batch(half), torch.float32)
-    assert K.attention_backend_for(bf16.query, bf16.k_cache) == "torch"  # the reference casts bf16 caches
+    assert K.attention_backend_for(bf16.query, bf16.k_cache) == "cpu"  # bfloat16 caches: the bf16kv variant
     assert_close(K.paged_attention(*bf16.args()), dense_batch(bf16), torch.float32)
-    bf16_q = replace(f32, query=f32.query.bfloat16(), k_cache=f32.k_cache.half(), v_cache=f32.v_cache.half())
-    assert K.attention_backend_for(bf16_q.query, bf16_q.k_cache) == "torch"  # the kernel takes float32 queries
+    fp16_q = replace(f32, query=f32.query.half(), k_cache=f32.k_cache.half(), v_cache=f32.v_cache.half())
+    assert K.attention_backend_for(fp16_q.query, fp16_q.k_cache) == "torch"  # no float16 queries
     with pytest.raises(ValueError, match="caches of one dtype"):
         cpu_native.paged_decode(f32.query, f32.k_cache.half(), f32.v_cache, f32.block_tables, f32.context_lens,
                                 f32.query_start_loc, f32.scale, None, torch.empty(f32.query.shape))
@@ -940,6 +971,34 @@ def test_native_silu_mul_and_rms_norm_match_torch(rows, dim):
 
 
 @needs_cc
+@pytest.mark.parametrize("rows,dim", [(0, 8), (1, 576), (5, 37), (40, 64), (3, 1536)])
+def test_native_bfloat16_silu_mul_and_rms_norm_round_as_hf(rows, dim):
+    # a bfloat16 model's elementwise steps as HF's modules compute them, op by op in bfloat16: SiLU(gate) is
+    # rounded before the product with up; the normalized row (float32) is rounded before the weight scales it
+    from kvpilot.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(rows * 1000 + dim + 1)
+    gu = (torch.randn(rows, 2 * dim + 3, generator=g) * 6).bfloat16()[:, : 2 * dim]
+    got = cpu_native.silu_mul(gu)
+    assert got is not None and got.dtype == torch.bfloat16 and got.is_contiguous() and got.shape == (rows, dim)
+    gate, up = gu.split(dim, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    # the same bits but where a float32 SiLU lands within an ulp of a rounding boundary (exp differs in its last bit)
+    assert (got != want).float().mean().item() <= 0.01 if rows else True
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=8e-3)
+
+    x = (torch.randn(rows, dim + 5, generator=g) * 3).bfloat16()[:, :dim]
+    w = torch.randn(dim, generator=g).bfloat16()
+    got = cpu_native.rms_norm(x, w, 1e-5)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, dim)
+    want = w * torch.nn.functional.rms_norm(x.float(), (dim,), None, 1e-5).bfloat16()
+    assert (got != want).float().mean().item() <= 0.01 if rows else True
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=8e-3)
+    # a weight of another dtype than the rows is left to torch
+    assert cpu_native.rms_norm(x, w.float(), 1e-5) is None
+
+
+@needs_cc
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 49152, 576, False), (2, 960, 576, True), (5, 577, 1536, False),
                                            (12, 64, 64, True), (13, 100, 136, True), (3, 20, 37, True),
                                            (64, 33, 7, False), (0, 8, 8, False)])
@@ -995,6 +1054,35 @@ def test_linear_with_residual_matches_separate_add(prepacked, rows):
     expected = r + torch.nn.functional.linear(x, w, b)
     torch.testing.assert_close(linear(x, weight, b, panels, residual=r), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(linear(x, weight, b, panels), expected - r, atol=1e-5, rtol=1e-5)
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_store_kv_copies_16bit_rows_into_their_own_cache(dtype):
+    # a bfloat16 (or float16) model's keys and values: copied as they are, skipped slots untouched
+    from kvpilot.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(4)
+    fused = (torch.randn(5, 9, 64, generator=g) * 3).to(dtype)
+    key, value = fused[:, 3:6], fused[:, 6:9]  # strided slices of a fused qkv, as the model passes them
+    slots = torch.tensor([9, -1, 0, 63, 20])
+    want_k = torch.full((4, 16, 3, 64), 7.0, dtype=dtype)
+    want_v = want_k.clone()
+    R.store_kv(key, value, want_k, want_v, slots)
+    got_k, got_v = torch.full_like(want_k, 7.0), torch.full_like(want_v, 7.0)
+    assert cpu_native.store_kv(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert torch.equal(got_k.view(64, 3, 64)[20], key[4]) and bool((got_k.view(64, 3, 64)[1] == 7.0).all())
+    # rows of another dtype than the cache (a conversion) are left to the reference
+    assert not cpu_native.store_kv(key.float(), value.float(), got_k, got_v, slots) or dtype is torch.float16
+    other = torch.bfloat16 if dtype is torch.float16 else torch.float16
+    assert not cpu_native.store_kv(key.to(other), value.to(other), got_k, got_v, slots)
+    assert not cpu_native.store_kv(key, value, torch.zeros_like(want_k, dtype=torch.float32),
+                                   torch.zeros_like(want_v, dtype=torch.float32), slots)
+    bad = torch.tensor([1, 64])  # past the cache: nothing written
+    k3 = torch.full_like(want_k, 7.0)
+    assert not cpu_native.store_kv(key[:2], value[:2], k3, torch.full_like(k3, 7.0), bad)
+    assert bool((k3 == 7.0).all())
 
 
 @needs_cc

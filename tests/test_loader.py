@@ -176,5 +176,5 @@ def test_dtype_resolution():
     assert resolve_dtype("float32", cpu) == torch.float32
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    # bf16 only with AMX; AVX512-BF16 alone is slower than this engine's fp32 path
-    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if "amx_bf16" in flags else torch.float32)
+    native_bf16 = "amx_bf16" in flags or "avx512_bf16" in flags  # bfloat16 dot products in hardware
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native_bf16 else torch.float32)

@@ -42,8 +42,27 @@ def test_prepacked_linear_matches_f_linear(rows: int) -> None:
     torch.testing.assert_close(linear(wide[:, :576], packed), wide[:, :576] @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16),
+                    reason="oneDNN has no bfloat16 kernels for this CPU")
+@pytest.mark.parametrize("rows", [1, 96, 300])
+def test_prepacked_bfloat16_linear_matches_f_linear(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(960, 576, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    residual = torch.randn(rows, 960, generator=g).bfloat16()
+    packed = prepack(w)
+    assert packed.is_mkldnn
+    plain = torch.nn.functional.linear(x, w)
+    got = linear(x, packed)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, plain, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(linear(x, packed, residual=residual), residual + plain, rtol=1.6e-2, atol=2e-2)
+
+
 def test_prepack_is_off_where_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not prepack_supported(torch.device("cpu"), torch.bfloat16)
+    # bfloat16 only where oneDNN has bfloat16 kernels for this CPU
+    assert prepack_supported(torch.device("cpu"), torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not prepack_supported(torch.device("cpu"), torch.float16)
     assert not prepack_supported(torch.device("cuda"), torch.float32)
     monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
     assert not prepack_supported(torch.device("cpu"), torch.float32)

@@ -22,7 +22,7 @@ def engine():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVPILOT_NUM_THREADS", "1")
         # a 5-token budget: the prompt is prefilled in several chunks
-        # float32 on every machine ("auto" is bfloat16 where the CPU has AMX): the
+        # float32 on every machine ("auto" is bfloat16 where the CPU has AMX or AVX512-BF16): the
         # comparison with a one-prefix-at-a-time reference is float32's
         return LLM(dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=4, max_num_batched_tokens=5).engine
 

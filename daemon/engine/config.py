@@ -22,7 +22,9 @@ class EngineConfig:
     served_model_name: str | None = field(default=None, metadata={
         "help": "the name the engine reports the model under (default: the model URI)"})
     dtype: str = field(default="auto", metadata={
-        "choices": DTYPES, "help": "weights and activations; auto: bf16 on GPUs that support it and CPUs with AMX, else fp32"})
+        "choices": DTYPES,
+        "help": "weights and activations; auto: bf16 on GPUs that support it and CPUs with AMX or AVX512-BF16, "
+                "else fp32"})
     device: str = field(default="auto", metadata={
         "choices": DEVICES, "help": "auto: cuda when available, else cpu"})
     kv_cache_dtype: str = field(default="auto", metadata={

@@ -12,6 +12,8 @@
 #endif
 #include <float.h>
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 #if USE_AVX2 || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -21,6 +23,37 @@
 #else
 #define HAVE_F16 0
 #endif
+
+/* The KV caches' element types. bfloat16 is the top half of a float32, so widening it is a 16-bit shift
+ * (exact), with no conversion instruction and no _Float16 needed. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (finite values) */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline __attribute__((always_inline)) void widen_bf16(float *dst, const uint16_t *src, const int n) {
+    int i = 0;
+#if USE_AVX2
+    for (; i + 8 <= n; i += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+#endif
+    for (; i < n; i++) {
+        const uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &bits, sizeof bits);
+    }
+}
 
 #if USE_AVX2
 /* e^x for x in [-87, 88] (clamped there; e^-87 ~ 1.6e-38 stands for 0): 2^n * e^r with |r| <= ln2/2,

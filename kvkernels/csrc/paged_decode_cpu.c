@@ -1,4 +1,4 @@
-/* Paged decode attention for the CPU: float32 queries and output, float32 or float16 KV cache.
+/* Paged decode attention for the CPU: float32 queries and output, float32, float16 or bfloat16 KV cache.
  *
  * Why this exists: the torch reference has to gather every sequence's K/V blocks into a dense
  * tensor before SDPA can run, so each decode step moves the whole KV context through memory
@@ -10,17 +10,18 @@
  * the caller handles prefill chunks. Layouts match kvpilot.kernels:
  *   query  [T, H, D]  rows `q_row_stride` floats apart, heads D floats apart
  *   cache  [num_blocks, block_size, KVH, D] contiguous, float (kvpilot_paged_decode_f32) or
- *          _Float16 (kvpilot_paged_decode_f16kv, only where the compiler has _Float16)
+ *          _Float16 (kvpilot_paged_decode_f16kv, only where the compiler has _Float16) or bfloat16 bits
+ *          in uint16_t (kvpilot_paged_decode_bf16kv)
  *   block_tables [B, bt_stride] int32, context_lens [B] int32, query_start_loc [B + 1] int32
  *   out    [T, H, D] contiguous
  * A query at position p = context_len - 1 sees keys k with k <= p and, when window > 0,
  * p - k < window.
  *
  * Two bodies: the plain loops (attend_seq_d, every cache type and head size, inlined per type) and,
- * for float16 caches on AVX2 + F16C builds, the vector path (attend_seq_f16). A float32 cache streams
- * at close to the memory rate through the plain loops; a float16 cache halves the bytes, but through
- * the plain loops it ran no faster, limited by their arithmetic, hence the vector path. Float16 rows
- * are widened to float32 as they are read and the arithmetic stays float32.
+ * for 16-bit caches on AVX2 builds (float16 also needs F16C), the vector path (attend_seq_16). A float32
+ * cache streams at close to the memory rate through the plain loops; a 16-bit cache halves the bytes, but
+ * through the plain loops it ran no faster, limited by their arithmetic, hence the vector path. 16-bit
+ * rows are widened to float32 as they are read and the arithmetic stays float32.
  */
 #include <float.h>
 #include <math.h>
@@ -32,7 +33,6 @@
 
 #include "cpu_simd.h"
 
-enum { KV_F32 = 0, KV_F16 = 1 };  /* element type of the caches */
 /* Where the next block's rows are asked for: L2 (gcc locality 2, prefetcht1), not L1. A block's K and V
  * rows plus the next block's are 48 KiB at block size 16, more than L1 holds, so rows fetched into L1
  * evicted the ones in use. Measured cold over 30 layers (96 sequences, contexts 16-528, blocks scattered),
@@ -44,7 +44,7 @@ enum { KV_F32 = 0, KV_F16 = 1 };  /* element type of the caches */
 
 typedef struct {
     const float *q;
-    const void *k_cache;  /* float or _Float16, as kv_type says */
+    const void *k_cache;  /* float, _Float16 or bfloat16 bits, as kv_type says */
     const void *v_cache;
     float *out;
     const int32_t *block_tables;
@@ -71,9 +71,13 @@ static inline __attribute__((always_inline)) void widen_f16(float *dst, const _F
 #endif
 
 /* Row `index` (in elements) of a cache, as D floats: the row itself in a float cache, or its
- * float16 values widened into buf. Inlined with a constant KV, so the type test folds away. */
+ * 16-bit values widened into buf. Inlined with a constant KV, so the type test folds away. */
 static inline __attribute__((always_inline)) const float *kv_row(const void *cache, int64_t index, const int D,
                                                                 const int KV, float *buf) {
+    if (KV == KV_BF16) {
+        widen_bf16(buf, (const uint16_t *)cache + index, D);
+        return buf;
+    }
 #if HAVE_F16
     if (KV == KV_F16) {
         widen_f16(buf, (const _Float16 *)cache + index, D);
@@ -87,7 +91,7 @@ static inline __attribute__((always_inline)) const float *kv_row(const void *cac
 /* Ask for `elems` cache elements from `index` on (one token's rows of a block) ahead of their use. */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, int64_t index, int elems,
                                                                const int KV) {
-    const int64_t elem_bytes = KV == KV_F16 ? 2 : (int64_t)sizeof(float);
+    const int64_t elem_bytes = KV == KV_F32 ? (int64_t)sizeof(float) : 2;
     const char *p = (const char *)cache + index * elem_bytes;
     for (int64_t off = 0; off < elems * elem_bytes; off += 64) __builtin_prefetch(p + off, 0, PREFETCH_LOCALITY);
 }
@@ -202,11 +206,18 @@ static inline __attribute__((always_inline)) void attend_seq_kv(const job_t *j, 
 
 static void attend_seq(const job_t *j, int seq, int next_seq) {
     if (HAVE_F16 && j->kv_type == KV_F16) attend_seq_kv(j, seq, next_seq, KV_F16);
+    else if (j->kv_type == KV_BF16) attend_seq_kv(j, seq, next_seq, KV_BF16);
     else attend_seq_kv(j, seq, next_seq, KV_F32);
 }
 
-#if USE_AVX2 && defined(__F16C__) && HAVE_F16
-/* The vector path for float16 caches. The plain loops spend most of their time outside the arithmetic
+#if USE_AVX2
+/* float16 rows are widened by F16C's conversion, where the build has it and _Float16 */
+#if defined(__F16C__) && HAVE_F16
+#define HAVE_VEC_F16 1
+#else
+#define HAVE_VEC_F16 0
+#endif
+/* The vector path for 16-bit caches. The plain loops spend most of their time outside the arithmetic
  * (a libm expf per score, a horizontal sum per key and head, output rows stored and reloaded for every
  * key, a row widened once per kv head it is read for), so a float16 cache read no faster than a float32
  * one. Here each block's rows are widened once, in memory order, into a float tile; the keys' scores
@@ -228,6 +239,8 @@ typedef __m512 vec_t;
 #define VEC_MUL(a, b) _mm512_mul_ps(a, b)
 #define VEC_SET1(x) _mm512_set1_ps(x)
 #define VEC_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VEC_LOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #else
 enum { VW = 8 };
 typedef __m256 vec_t;
@@ -237,6 +250,8 @@ typedef __m256 vec_t;
 #define VEC_MUL(a, b) _mm256_mul_ps(a, b)
 #define VEC_SET1(x) _mm256_set1_ps(x)
 #define VEC_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VEC_LOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #endif
 enum { NV_MAX = 128 / VW, PV_HEADS = 4 };
 
@@ -309,14 +324,24 @@ static inline __attribute__((always_inline)) void weighted_rows(float *acc, cons
 /* Limits of the vector path's stack tiles (floats); larger shapes take the plain loops. */
 enum { VEC_MAX_TILE = 16 * 1024, VEC_MAX_HEAD_ROWS = 64 * 128 };
 
+/* VW elements of a 16-bit cache row as floats (KV a constant where inlined) */
+static inline __attribute__((always_inline)) vec_t load_widened(const uint16_t *p, const int KV) {
+#if HAVE_VEC_F16
+    if (KV == KV_F16) return VEC_LOAD_F16(p);
+#endif
+    (void)KV;
+    return VEC_LOAD_BF16(p);
+}
+
 static inline int vec_path_fits(const job_t *j) {
-    return j->kv_type == KV_F16 && (j->head_dim == 64 || j->head_dim == 128) && j->block_size % VW == 0
+    return (j->kv_type == KV_BF16 || (HAVE_VEC_F16 && j->kv_type == KV_F16))
+           && (j->head_dim == 64 || j->head_dim == 128) && j->block_size % VW == 0
            && j->block_size * j->num_kv_heads * j->head_dim <= VEC_MAX_TILE
            && j->num_heads * j->head_dim <= VEC_MAX_HEAD_ROWS;
 }
 
-static inline __attribute__((always_inline)) void attend_seq_f16(const job_t *j, int seq, int next_seq,
-                                                                 const int D) {
+static inline __attribute__((always_inline)) void attend_seq_16(const job_t *j, int seq, int next_seq,
+                                                                const int D, const int KV) {
     const int NV = D / VW;
     const int KVH = j->num_kv_heads, G = j->num_heads / KVH, BS = j->block_size, NH = j->num_heads;
     const int W = KVH * D;  /* floats in one token's widened rows */
@@ -336,15 +361,15 @@ static inline __attribute__((always_inline)) void attend_seq_f16(const job_t *j,
          * sequence's, else the first of the next sequence this thread serves), token t's rows beside t's */
         const int64_t next = (blk + 1) * BS < ctx ? (int64_t)table[blk + 1] * BS * token_stride
                                                   : first_block(j, next_seq);
-        const _Float16 *kh = (const _Float16 *)j->k_cache + base, *vh = (const _Float16 *)j->v_cache + base;
+        const uint16_t *kh = (const uint16_t *)j->k_cache + base, *vh = (const uint16_t *)j->v_cache + base;
         for (int t = t0; t < t1; t++) {  /* in memory order, every row once */
             if (next >= 0) {
-                prefetch_rows(j->k_cache, next + t * token_stride, W, KV_F16);
-                prefetch_rows(j->v_cache, next + t * token_stride, W, KV_F16);
+                prefetch_rows(j->k_cache, next + t * token_stride, W, KV);
+                prefetch_rows(j->v_cache, next + t * token_stride, W, KV);
             }
             for (int e = 0; e < W; e += VW) {
-                VEC_STORE(&kbuf[t][e], VEC_LOAD_F16(kh + t * token_stride + e));
-                VEC_STORE(&vbuf[t][e], VEC_LOAD_F16(vh + t * token_stride + e));
+                VEC_STORE(&kbuf[t][e], load_widened(kh + t * token_stride + e, KV));
+                VEC_STORE(&vbuf[t][e], load_widened(vh + t * token_stride + e, KV));
             }
         }
         /* every key of the block is scored, VW at a time; the tile rows outside [t0, t1) (a partial
@@ -376,8 +401,15 @@ static inline __attribute__((always_inline)) void attend_seq_f16(const job_t *j,
 }
 
 static void attend_seq_vec(const job_t *j, int seq, int next_seq) {
-    if (j->head_dim == 64) attend_seq_f16(j, seq, next_seq, 64);
-    else attend_seq_f16(j, seq, next_seq, 128);
+#if HAVE_VEC_F16
+    if (j->kv_type == KV_F16) {
+        if (j->head_dim == 64) attend_seq_16(j, seq, next_seq, 64, KV_F16);
+        else attend_seq_16(j, seq, next_seq, 128, KV_F16);
+        return;
+    }
+#endif
+    if (j->head_dim == 64) attend_seq_16(j, seq, next_seq, 64, KV_BF16);
+    else attend_seq_16(j, seq, next_seq, 128, KV_BF16);
 }
 #define HAVE_VEC_PATH 1
 #else
@@ -469,3 +501,11 @@ int kvpilot_paged_decode_f16kv(const float *q, int64_t q_row_stride, const _Floa
     return paged_decode(DECODE_ARGS, KV_F16);
 }
 #endif
+
+int kvpilot_paged_decode_bf16kv(const float *q, int64_t q_row_stride, const uint16_t *k_cache,
+                                const uint16_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                                const int32_t *context_lens, const int32_t *query_start_loc, int num_seqs,
+                                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                                int window, float *out, int num_threads) {
+    return paged_decode(DECODE_ARGS, KV_BF16);
+}

@@ -1,5 +1,5 @@
 /* Paged prefill attention for the CPU: the rows of sequences with more than one query token this
- * step (prompt chunks), float32 queries and output, float32 or float16 KV cache.
+ * step (prompt chunks), float32 queries and output, float32, float16 or bfloat16 KV cache.
  *
  * Why this exists: torch's SDPA needs each sequence's K/V gathered out of the paged cache into a
  * dense tensor first, and its flash kernel reaches only 15-40 GFLOP/s at the prompt lengths a
@@ -7,7 +7,7 @@
  * kernel is flash attention written for that CPU:
  *   - keys are taken in tiles of 64 positions, wherever their blocks lie in the cache; each tile is
  *     copied once per call into float32 panels (panel_kernel.h): K as two panels of 32 keys, V as
- *     panels of 32 head dims, so a float16 cache is widened once, not once per query;
+ *     panels of 32 head dims, so a 16-bit cache is widened once, not once per query;
  *   - the G query heads that share a kv head are served by one task as G*QT rows (QT positions),
  *     so every key tile loaded is used by all of them;
  *   - both products, scores = q . K and out += weights . V, are the panel GEMM's register tile (12 rows
@@ -37,7 +37,6 @@
 #include "cpu_simd.h"
 #include "panel_kernel.h"
 
-enum { KV_F32 = 0, KV_F16 = 1 };
 enum { KT = 2 * PANEL };  /* keys per tile: two panels of the score product */
 /* the shapes this kernel takes (cpu_native.paged_prefill sends others to SDPA) */
 enum { MAX_GROUP = 16, MAX_HEAD_DIM = 512 };
@@ -97,6 +96,10 @@ static void load_tile(const prefill_t *p, const chunk_t *c, int kvh, int tile, f
         }
         const int64_t index = ((int64_t)table[pos / BS] * BS + pos % BS) * KVH * D + (int64_t)kvh * D;
         const float *kr = krow, *vr = vrow;
+        if (p->kv_type == KV_BF16) {
+            widen_bf16(krow, (const uint16_t *)p->k_cache + index, D);
+            widen_bf16(vrow, (const uint16_t *)p->v_cache + index, D);
+        } else
 #if HAVE_F16
         if (p->kv_type == KV_F16) {
             const _Float16 *kh = (const _Float16 *)p->k_cache + index, *vh = (const _Float16 *)p->v_cache + index;
@@ -289,3 +292,9 @@ int kvpilot_paged_prefill_f16kv(const float *q, PREFILL_PARAMS) {
                          out, num_threads, KV_F16);
 }
 #endif
+
+int kvpilot_paged_prefill_bf16kv(const float *q, PREFILL_PARAMS) {
+    return prefill_entry(q, q_row_stride, k_cache, v_cache, block_tables, bt_stride, context_lens,
+                         query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window,
+                         out, num_threads, KV_BF16);
+}

@@ -7,8 +7,9 @@ output. oneDNN can keep the weight in its blocked layout once and for all (what 
 ``freezing`` does for CPU models). Measured on 2 AVX2 cores: the LM head 1.3-1.9x faster at 8-96
 rows, gate/up and down 1.1-1.4x, q/k/v and o unchanged.
 
-Only float32 on the CPU is packed (the dtype this engine picks there); ``KVPILOT_PREPACK_WEIGHTS=0``
-turns it off. A packed weight is an opaque oneDNN tensor: it has a shape and a size but no strided
+float32 on the CPU is packed, and bfloat16 where oneDNN has bfloat16 kernels for the CPU (AVX512-BF16 or
+AMX; measured on 2 AVX512-BF16 cores, 576x3072 weights: 1.6x at 16 rows, 1.2x at 96, 1.1x at 2048);
+``KVPILOT_PREPACK_WEIGHTS=0`` turns it off. A packed weight is an opaque oneDNN tensor: it has a shape and a size but no strided
 storage, so only ``linear`` below may read it.
 
 Steps of a few rows are different: they only stream the weights, and oneDNN reads them well below
@@ -40,7 +41,11 @@ _PANELS_MEMORY_SHARE = 0.1  # the second copy may take up to this share of the m
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if os.environ.get(_ENV, "").strip() == "0":
         return False
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # noqa: SLF001 - oneDNN's own probe
+    return dtype == torch.float32
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:

@@ -33,9 +33,11 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    native = cpu_native.rms_norm(x, weight, eps)  # float32/bfloat16 CPU rows: one native pass (2x torch's op)
+    if native is not None:
+        return native
     if x.dtype == torch.float32:
-        native = cpu_native.rms_norm(x, weight, eps)  # float32 CPU rows: one native pass (2x torch's op)
-        return native if native is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     # HF normalizes in float32 and scales by the weight in the model dtype
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
 
@@ -48,8 +50,10 @@ def _rotate(qk: torch.Tensor, t: int, heads: int, hd: int, cos: torch.Tensor, si
     multiply instead of HF's seven-op rotate_half (26x less time at 2048 tokens on the CPU).
     """
     if sin is None:
-        pairs = torch.view_as_complex(qk.reshape(t, heads, hd // 2, 2))
-        return torch.view_as_real(pairs * cos).view(t, heads, hd)
+        wide = qk if qk.dtype == torch.float32 else qk.float()  # bfloat16 rows rotate in float32
+        pairs = torch.view_as_complex(wide.reshape(t, heads, hd // 2, 2))
+        rotated = torch.view_as_real(pairs * cos).view(t, heads, hd)
+        return rotated if rotated.dtype == qk.dtype else rotated.to(qk.dtype)
     x1, x2 = qk.view(t, heads, hd).chunk(2, dim=-1)  # HF's rotate_half layout: two halves
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -219,7 +223,7 @@ class LlamaDecoderLayer(nn.Module):
         """``h + down(SiLU(gate) * up)`` of the post-attention norm of ``h``."""
         gu = linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias,
                     self.gate_up_weight_panels)
-        act = cpu_native.silu_mul(gu)  # float32 on the CPU: one pass, 2x SiLU-then-multiply
+        act = cpu_native.silu_mul(gu)  # float32/bfloat16 on the CPU: one pass, 2x SiLU-then-multiply
         if act is None:
             gate, up = gu.split(self.inter, dim=-1)
             act = F.silu(gate) * up
@@ -293,9 +297,11 @@ class LlamaForCausalLM(nn.Module):
         # cos/sin for every position up to max_model_len, computed in float32 and cast once (as HF does per step)
         inv_freq, attn_scale = rope_inv_freq(config, self.head_dim, max_model_len)
         freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # float32 uses the complex-multiply RoPE on interleaved q/k rows (see _rotate); other dtypes keep
-        # HF's layout, since complex32 arithmetic is not there on every device
-        self.interleaved_rope = dtype == torch.float32
+        # float32 uses the complex-multiply RoPE on interleaved q/k rows (see _rotate), and so does bfloat16 on
+        # the CPU, rotating in float32 and rounding once (HF's bfloat16 ops round each product and sum: 3x the
+        # time of the rest of a bfloat16 step's glue); other dtypes and devices keep HF's layout, since complex32
+        # arithmetic is not there on every device
+        self.interleaved_rope = dtype == torch.float32 or (dtype == torch.bfloat16 and device.type == "cpu")
         if self.interleaved_rope:
             cis = torch.polar(torch.full_like(freqs, attn_scale), freqs).to(device)
             self.register_buffer("rope_cos", cis, persistent=False)
@@ -362,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
             return False
         head = self.lm_head
         extra = sum(layer.gemm_weight_bytes() for layer in self.layers) + head.numel() * head.element_size()
-        keep = keep_panels(extra)
+        keep = self.dtype == torch.float32 and keep_panels(extra)  # the panel kernel is float32 only
         for layer in self.layers:
             layer.prepack_weights(keep_panels=keep)
         packed_head = prepack(head)
