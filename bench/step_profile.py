@@ -255,7 +255,7 @@ def run_markdown(result: dict[str, Any]) -> str:
     rates = run["gemm_gflops"]
     lines = [
         f"# kvpilot run profile: {result['workload']} ({result['machine']['cpu']}, {result['machine']['threads']} "
-        f"threads, fp32, {result['model']})",
+        f"threads, {result.get('dtype', 'float32')}, {result['model']})",
         "",
         f"{run['requests']} requests, {run['output_tokens']} output tokens: {run['plain_s']:.2f} s without the "
         f"timers, {run['profiled_s']:.2f} s with them (the shares below are of the timed run). fp32 matmul "
@@ -287,6 +287,7 @@ def main_run(workload: str, out: str, dtype: str = "float32") -> None:
     result = {
         "machine": machine(threads),
         "model": MODEL,
+        "dtype": dtype,
         "workload": workload,
         "run": profile_run(llm, work),
         "matmul_peak": matmul_peak(threads),
@@ -318,8 +319,8 @@ def markdown(result: dict[str, Any]) -> str:
     shapes = result["shapes"]
     names = list(shapes)
     lines = [
-        f"# kvpilot step profile ({result['machine']['cpu']}, {result['machine']['threads']} threads, fp32, "
-        f"{result['model']})",
+        f"# kvpilot step profile ({result['machine']['cpu']}, {result['machine']['threads']} threads, "
+        f"{result.get('dtype', 'float32')}, {result['model']})",
         "",
         f"Context {result['context']} tokens per decode sequence; median of {result['repeat']} runs. "
         f"fp32 matmul peak measured here: {result['matmul_peak']['gflops']:.0f} GFLOP/s "
@@ -379,6 +380,7 @@ def main() -> None:
     result = {
         "machine": machine(threads),
         "model": MODEL,
+        "dtype": args.dtype,
         "context": args.context,
         "repeat": repeat,
         "matmul_peak": matmul_peak(threads),

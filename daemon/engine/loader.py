@@ -313,9 +313,10 @@ def _cpu_prefers_bf16() -> bool:
     (AMD EPYC) bfloat16 once lost to float32 overall (96 requests offline at 140.3 against 163.5 tok/s),
     when only its GEMMs were fast and attention, norms and decode GEMMs went through torch. With the native
     bfloat16 paths (attention over a bfloat16 cache, RMSNorm, SiLU-and-multiply, KV writes) and prepacked
-    bfloat16 weights it was 1.53-1.66x faster than float32 on the same workload (22.6-23.7 s against
-    34.6-39.2), a 2048-token step 1.8x and a 16-sequence decode step 1.35x, with 4-sequence decode steps 14%
-    slower. Without either, bfloat16 on a CPU is emulated and float32 is the faster dtype."""
+    bfloat16 weights it was 1.45-1.66x faster than float32 on the same workload in three runs (22.6-24.8 s
+    against 34.6-39.2), level with vLLM's bfloat16; a 512-token prefill step 1.5-1.8x and a 16-sequence decode
+    step about 1.3x faster, 4-sequence decode steps about as fast (up to 14% slower). Without either,
+    bfloat16 on a CPU is emulated and float32 is the faster dtype."""
     flags = cpu_flags()
     if flags is not None:
         return "amx_bf16" in flags or "avx512_bf16" in flags
