@@ -3,8 +3,9 @@
 The engine imports only from here. Triton runs when the tensors are on CUDA and triton is
 importable. On the CPU, float32 or bfloat16 queries over a float32, bfloat16 or float16 cache go to the
 native kernels (``cpu_native``, built on first use: decode rows and prefill chunks in C, each reading the
-paged cache in place and computing in float32) when a C compiler is there, and everything else to the torch reference; ``store_kv`` of
-float32 rows goes to C as well. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
+paged cache in place and computing in float32) when a C compiler is there, and everything else to the
+torch reference; ``store_kv`` of float32 rows, and of 16-bit rows into a cache of their dtype, goes to C
+as well. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
 one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``). Triton is
 optional: it is imported on first use only.
 

@@ -69,7 +69,7 @@ _fns: dict[torch.dtype, Callable[..., int]] = {}  # decode
 _prefill_fns: dict[torch.dtype, Callable[..., int]] = {}
 # by cache dtype for float32 rows, by (rows, cache) dtype for 16-bit rows copied into a cache of their type
 _store_fns: dict[torch.dtype | tuple[torch.dtype, torch.dtype], Callable[..., int]] = {}
-_row_fns: dict[str, Callable[..., None]] = {}  # the plain float32 entry points, by C name without "kvpilot_"
+_row_fns: dict[str, Callable[..., None]] = {}  # the row kernels' entry points, by C name without "kvpilot_"
 _build_constants: dict[str, int] = {}  # e.g. panel_width, read from the library when it is bound
 
 

@@ -9,8 +9,8 @@ rows, gate/up and down 1.1-1.4x, q/k/v and o unchanged.
 
 float32 on the CPU is packed, and bfloat16 where oneDNN has bfloat16 kernels for the CPU (AVX512-BF16 or
 AMX; measured on 2 AVX512-BF16 cores, 576x3072 weights: 1.6x at 16 rows, 1.2x at 96, 1.1x at 2048);
-``KVPILOT_PREPACK_WEIGHTS=0`` turns it off. A packed weight is an opaque oneDNN tensor: it has a shape and a size but no strided
-storage, so only ``linear`` below may read it.
+``KVPILOT_PREPACK_WEIGHTS=0`` turns it off. A packed weight is an opaque oneDNN tensor: it has a shape
+and a size but no strided storage, so only ``linear`` below may read it.
 
 Steps of a few rows are different: they only stream the weights, and oneDNN reads them well below
 the host's streaming rate. There ``linear`` takes the weight's panels (``cpu_native.pack_panels``),
