@@ -1057,46 +1057,23 @@ def test_linear_with_residual_matches_separate_add(prepacked, rows):
 
 
 @needs_cc
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_native_store_kv_copies_16bit_rows_into_their_own_cache(dtype):
-    # a bfloat16 (or float16) model's keys and values: copied as they are, skipped slots untouched
-    from kvpilot.kernels import cpu_native
-
-    g = torch.Generator().manual_seed(4)
-    fused = (torch.randn(5, 9, 64, generator=g) * 3).to(dtype)
-    key, value = fused[:, 3:6], fused[:, 6:9]  # strided slices of a fused qkv, as the model passes them
-    slots = torch.tensor([9, -1, 0, 63, 20])
-    want_k = torch.full((4, 16, 3, 64), 7.0, dtype=dtype)
-    want_v = want_k.clone()
-    R.store_kv(key, value, want_k, want_v, slots)
-    got_k, got_v = torch.full_like(want_k, 7.0), torch.full_like(want_v, 7.0)
-    assert cpu_native.store_kv(key, value, got_k, got_v, slots)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    assert torch.equal(got_k.view(64, 3, 64)[20], key[4]) and bool((got_k.view(64, 3, 64)[1] == 7.0).all())
-    # rows of another dtype than the cache (a conversion) are left to the reference
-    assert not cpu_native.store_kv(key.float(), value.float(), got_k, got_v, slots) or dtype is torch.float16
-    other = torch.bfloat16 if dtype is torch.float16 else torch.float16
-    assert not cpu_native.store_kv(key.to(other), value.to(other), got_k, got_v, slots)
-    assert not cpu_native.store_kv(key, value, torch.zeros_like(want_k, dtype=torch.float32),
-                                   torch.zeros_like(want_v, dtype=torch.float32), slots)
-    bad = torch.tensor([1, 64])  # past the cache: nothing written
-    k3 = torch.full_like(want_k, 7.0)
-    assert not cpu_native.store_kv(key[:2], value[:2], k3, torch.full_like(k3, 7.0), bad)
-    assert bool((k3 == 7.0).all())
-
-
-@needs_cc
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_native_store_kv_matches_reference(kv_dtype):
+@pytest.mark.parametrize(("row_dtype", "kv_dtype"), [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                                     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+def test_native_store_kv_matches_reference(row_dtype, kv_dtype):
+    # float32 rows into a float32 or float16 cache (converted), 16-bit rows into a cache of their own dtype
+    # (a bfloat16 model's: copied as they are)
     from kvpilot.kernels import cpu_native
 
     cpu_native.available()  # builds and binds the library
-    if kv_dtype not in cpu_native._store_fns:
-        assert kv_dtype is torch.float16 and not _compiler_has_float16()
+    kind = kv_dtype if row_dtype is torch.float32 else (row_dtype, kv_dtype)
+    if kind not in cpu_native._store_fns:
+        assert kind is torch.float16 and not _compiler_has_float16()
         pytest.skip("the C compiler has no _Float16: float32 caches only")
     g = torch.Generator().manual_seed(3)
     fused = torch.randn(6, 9, 64, generator=g) * 3
-    fused[2, 5, 7] = 1e6  # saturates at 65504 in a float16 cache, never inf
+    if row_dtype is torch.float32:
+        fused[2, 5, 7] = 1e6  # saturates at 65504 in a float16 cache, never inf
+    fused = fused.to(row_dtype)
     key, value = fused[:, 3:6], fused[:, 6:9]  # strided slices of a fused qkv, as the model passes them
     slots = torch.tensor([5, -1, 17, 0, 63, 31])  # -1: padding, skipped
     want_k = torch.full((4, 16, 3, 64), 7.0, dtype=kv_dtype)
@@ -1117,3 +1094,8 @@ def test_native_store_kv_matches_reference(kv_dtype):
     assert bool((k3 == 7.0).all())
     with pytest.raises(IndexError):
         K.store_kv(key[:2], value[:2], k3, torch.full_like(k3, 7.0), bad)
+    # 16-bit rows into a cache of another dtype (a conversion) are left to the reference
+    if row_dtype is not torch.float32:
+        other = torch.bfloat16 if row_dtype is torch.float16 else torch.float16
+        assert not cpu_native.store_kv(key, value, got_k.to(other), got_v.to(other), slots)
+        assert not cpu_native.store_kv(key, value, got_k.float(), got_v.float(), slots)

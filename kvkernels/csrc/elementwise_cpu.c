@@ -50,7 +50,8 @@ void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inte
     }
 }
 
-static void rms_norm_row(const float *x, const float *w, float eps, float *o, int n) {
+/* 1 / sqrt(mean(x^2) + eps): the squares summed in float32 lanes, the lanes in float64 */
+static float inv_rms(const float *x, int n, float eps) {
     int i = 0;
     double ss = 0.0;
 #if USE_AVX2
@@ -64,8 +65,12 @@ static void rms_norm_row(const float *x, const float *w, float eps, float *o, in
     for (int l = 0; l < 8; l++) ss += lanes[l];
 #endif
     for (; i < n; i++) ss += (double)x[i] * x[i];
-    const float inv = (float)(1.0 / sqrt(ss / n + eps));
-    i = 0;
+    return (float)(1.0 / sqrt(ss / n + eps));
+}
+
+static void rms_norm_row(const float *x, const float *w, float eps, float *o, int n) {
+    const float inv = inv_rms(x, n, eps);
+    int i = 0;
 #if USE_AVX2
     const __m256 vinv = _mm256_set1_ps(inv);
     for (; i + 8 <= n; i += 8)
@@ -136,32 +141,18 @@ void kvpilot_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int rows, int 
 }
 
 static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, float eps, uint16_t *o, int n) {
+    float row[n];  /* the row widened once (exact); a hidden size of floats fits any thread's stack */
+    widen_bf16(row, x, n);
+    const float inv = inv_rms(row, n, eps);
     int i = 0;
-    double ss = 0.0;
-#if USE_AVX2
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-    for (; i + 16 <= n; i += 16) {
-        const __m256 v0 = load_bf16x8(x + i), v1 = load_bf16x8(x + i + 8);
-        a0 = _mm256_fmadd_ps(v0, v0, a0), a1 = _mm256_fmadd_ps(v1, v1, a1);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(a0, a1));
-    for (int l = 0; l < 8; l++) ss += lanes[l];
-#endif
-    for (; i < n; i++) {
-        const float v = bf16_to_f32(x[i]);
-        ss += (double)v * v;
-    }
-    const float inv = (float)(1.0 / sqrt(ss / n + eps));
-    i = 0;
 #if USE_AVX2
     const __m256 vinv = _mm256_set1_ps(inv);
     for (; i + 8 <= n; i += 8) {
-        const __m256 normed = round_bf16x8(_mm256_mul_ps(load_bf16x8(x + i), vinv));
+        const __m256 normed = round_bf16x8(_mm256_mul_ps(_mm256_loadu_ps(row + i), vinv));
         store_bf16x8(o + i, round_bf16x8(_mm256_mul_ps(normed, load_bf16x8(w + i))));
     }
 #endif
-    for (; i < n; i++) o[i] = f32_to_bf16(round_bf16(bf16_to_f32(x[i]) * inv) * bf16_to_f32(w[i]));
+    for (; i < n; i++) o[i] = f32_to_bf16(round_bf16(row[i] * inv) * bf16_to_f32(w[i]));
 }
 
 void kvpilot_rms_norm_bf16(const uint16_t *x, int64_t x_stride, int rows, int dim, const uint16_t *weight,

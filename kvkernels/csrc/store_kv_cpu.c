@@ -21,15 +21,23 @@ static int slots_in_range(const int64_t *slots, int tokens, int64_t num_slots) {
     return 1;
 }
 
-int kvpilot_store_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
-                         float *k_cache, float *v_cache, const int64_t *slots, int tokens, int row, int64_t num_slots) {
+/* Rows copied as they are, for caches of the rows' own type; strides and rows count elements of `elem` bytes. */
+static int copy_rows(const char *key, int64_t key_stride, const char *value, int64_t value_stride, char *k_cache,
+                     char *v_cache, const int64_t *slots, int tokens, int row, int64_t num_slots, size_t elem) {
     if (!slots_in_range(slots, tokens, num_slots)) return -1;
+    const size_t row_bytes = elem * (size_t)row;
     for (int t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row, key + (int64_t)t * key_stride, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slots[t] * row, value + (int64_t)t * value_stride, sizeof(float) * (size_t)row);
+        memcpy(k_cache + slots[t] * row_bytes, key + (int64_t)t * key_stride * (int64_t)elem, row_bytes);
+        memcpy(v_cache + slots[t] * row_bytes, value + (int64_t)t * value_stride * (int64_t)elem, row_bytes);
     }
     return 0;
+}
+
+int kvpilot_store_kv_f32(const float *key, int64_t key_stride, const float *value, int64_t value_stride,
+                         float *k_cache, float *v_cache, const int64_t *slots, int tokens, int row, int64_t num_slots) {
+    return copy_rows((const char *)key, key_stride, (const char *)value, value_stride, (char *)k_cache,
+                     (char *)v_cache, slots, tokens, row, num_slots, sizeof(float));
 }
 
 #if HAVE_F16
@@ -66,11 +74,6 @@ int kvpilot_store_kv_f16kv(const float *key, int64_t key_stride, const float *va
 int kvpilot_store_kv_copy16(const uint16_t *key, int64_t key_stride, const uint16_t *value, int64_t value_stride,
                             uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int tokens, int row,
                             int64_t num_slots) {
-    if (!slots_in_range(slots, tokens, num_slots)) return -1;
-    for (int t = 0; t < tokens; t++) {
-        if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row, key + (int64_t)t * key_stride, sizeof(uint16_t) * (size_t)row);
-        memcpy(v_cache + slots[t] * row, value + (int64_t)t * value_stride, sizeof(uint16_t) * (size_t)row);
-    }
-    return 0;
+    return copy_rows((const char *)key, key_stride, (const char *)value, value_stride, (char *)k_cache,
+                     (char *)v_cache, slots, tokens, row, num_slots, sizeof(uint16_t));
 }
