@@ -67,8 +67,8 @@ _ENTRY_POINTS = {torch.float32: "f32", torch.float16: "f16kv", torch.bfloat16: "
 _QUERY_DTYPES = (torch.float32, torch.bfloat16)
 _fns: dict[torch.dtype, Callable[..., int]] = {}  # decode
 _prefill_fns: dict[torch.dtype, Callable[..., int]] = {}
-# by cache dtype for float32 rows, by (rows, cache) dtype for 16-bit rows copied into a cache of their type
-_store_fns: dict[torch.dtype | tuple[torch.dtype, torch.dtype], Callable[..., int]] = {}
+# by (row dtype, cache dtype): float32 rows into each cache dtype, 16-bit rows copied into a cache of their type
+_store_fns: dict[tuple[torch.dtype, torch.dtype], Callable[..., int]] = {}
 _row_fns: dict[str, Callable[..., None]] = {}  # the row kernels' entry points, by C name without "kvpilot_"
 _build_constants: dict[str, int] = {}  # e.g. panel_width, read from the library when it is bound
 
@@ -145,7 +145,8 @@ def _load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(target))
             _fns.update(_bind(lib, "kvpilot_paged_decode_", _ATTENTION_ARGS))
             _prefill_fns.update(_bind(lib, "kvpilot_paged_prefill_", _ATTENTION_ARGS))
-            _store_fns.update(_bind(lib, "kvpilot_store_kv_", _STORE_ARGS))
+            _store_fns.update({(torch.float32, cache): fn
+                               for cache, fn in _bind(lib, "kvpilot_store_kv_", _STORE_ARGS).items()})
             copy16 = lib.kvpilot_store_kv_copy16
             copy16.argtypes, copy16.restype = _STORE_ARGS, ctypes.c_int
             _store_fns.update({(dtype, dtype): copy16 for dtype in (torch.bfloat16, torch.float16)})
@@ -228,7 +229,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if (k_cache.dim() != 4 or k_cache.shape[2] != kvh or k_cache.shape[3] != d or slot_mapping.shape[0] > tokens
             or key.stride(2) != 1 or key.stride(1) != d or value.stride(2) != 1 or value.stride(1) != d):
         return False
-    kind = k_cache.dtype if key.dtype is torch.float32 else (key.dtype, k_cache.dtype)
+    kind = (key.dtype, k_cache.dtype)
     fn = _store_fns.get(kind)
     if fn is None and _load() is not None:
         fn = _store_fns.get(kind)

@@ -1065,9 +1065,8 @@ def test_native_store_kv_matches_reference(row_dtype, kv_dtype):
     from kvpilot.kernels import cpu_native
 
     cpu_native.available()  # builds and binds the library
-    kind = kv_dtype if row_dtype is torch.float32 else (row_dtype, kv_dtype)
-    if kind not in cpu_native._store_fns:
-        assert kind is torch.float16 and not _compiler_has_float16()
+    if (row_dtype, kv_dtype) not in cpu_native._store_fns:
+        assert (row_dtype, kv_dtype) == (torch.float32, torch.float16) and not _compiler_has_float16()
         pytest.skip("the C compiler has no _Float16: float32 caches only")
     g = torch.Generator().manual_seed(3)
     fused = torch.randn(6, 9, 64, generator=g) * 3

@@ -41,13 +41,17 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (finite 
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+#if USE_AVX2
+/* 8 bfloat16 values from p, widened to float32 */
+static inline __attribute__((always_inline)) __m256 load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
 static inline __attribute__((always_inline)) void widen_bf16(float *dst, const uint16_t *src, const int n) {
     int i = 0;
 #if USE_AVX2
-    for (; i + 8 <= n; i += 8) {
-        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
 #endif
     for (; i < n; i++) {
         const uint32_t bits = (uint32_t)src[i] << 16;

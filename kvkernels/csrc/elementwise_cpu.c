@@ -92,10 +92,6 @@ void kvpilot_rms_norm_f32(const float *x, int64_t x_stride, int rows, int dim, c
 /* ---- bfloat16 rows ---- */
 
 #if USE_AVX2
-static inline __m256 load_bf16x8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 static inline __m256 round_bf16x8(__m256 v) {  /* v rounded to bfloat16, still as float32 */
     const __m256i bits = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));

@@ -250,8 +250,7 @@ typedef __m256 vec_t;
 #define VEC_MUL(a, b) _mm256_mul_ps(a, b)
 #define VEC_SET1(x) _mm256_set1_ps(x)
 #define VEC_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define VEC_LOAD_BF16(p) \
-    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define VEC_LOAD_BF16(p) load_bf16x8(p)
 #endif
 enum { NV_MAX = 128 / VW, PV_HEADS = 4 };
 
