@@ -8,9 +8,10 @@ ctypes (which releases the GIL during the call). No compiler, a failed build or
 
 Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
 cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
-``silu_mul`` and ``rms_norm`` are the model's float32 elementwise steps and ``store_kv`` its cache
+``silu_mul``, ``rms_norm`` and ``rope_`` are the model's float32 and bfloat16 elementwise steps and ``store_kv`` its cache
 writes, one pass each; ``panel_gemm`` is the GEMM of small decode steps, over weights that
-``pack_panels`` laid out for streaming. Queries and output are float32; the cache is float32 or float16
+``pack_panels`` laid out for streaming. Attention's queries and output are float32 or bfloat16 (widened as
+read, rounded once as written: the arithmetic is float32); the cache is float32, bfloat16 or float16
 (``kv_cache_dtype="float16"``: half the bytes a memory-bound decode step reads, widened to float32 in the
 kernel). The float16 entry points exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports``
 says which caches this build takes.
@@ -38,7 +39,7 @@ from . import reference
 
 __all__ = [
     "available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
-    "silu_mul", "rms_norm", "store_kv", "pack_panels", "panel_gemm", "panel_gemm_max_rows", "build_error",
+    "silu_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm", "panel_gemm_max_rows", "build_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ def _load() -> ctypes.CDLL | None:
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # the C signatures of the per-cache-dtype entry points (see the sources)
-_ATTENTION_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _P, _I32]
+_ATTENTION_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _P, _I32, _I32]
 _STORE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I64]
 
 
@@ -186,6 +187,8 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
                            ("silu_mul_bf16", [p, i64, i32, i32, p, i32]),
                            ("rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32]),
                            ("rms_norm_bf16", [p, i64, i32, i32, p, f32, p, i32]),
+                           ("rope_f32", [p, i64, i32, i32, i32, p, i32]),
+                           ("rope_bf16", [p, i64, i32, i32, i32, p, i32]),
                            ("pack_panels_f32", [p, i64, i32, i32, p, i32]),
                            ("panel_gemm_f32", [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32])):
         fn = getattr(lib, "kvpilot_" + name)
@@ -296,6 +299,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return out
 
 
+def rope_(x: torch.Tensor, cis: torch.Tensor, heads: int) -> bool:
+    """RoPE in place on ``x`` [rows, heads * head_dim] (float32 or bfloat16 CPU rows, each head's dims as
+    interleaved pairs): row r's pairs times ``cis[r]`` ([rows, head_dim / 2] complex64, contiguous). False,
+    with nothing done, where the kernel is unavailable or the tensors are not such (use torch then)."""
+    suffix = _elementwise_rows(x)
+    if suffix is None or heads < 1 or x.shape[1] % (2 * heads):
+        return False
+    rows, half = x.shape[0], x.shape[1] // (2 * heads)
+    if (cis.dtype is not torch.complex64 or not cis.is_cpu or not cis.is_contiguous() or cis.dim() < 2
+            or cis.shape[0] != rows or cis.shape[-1] != half or cis.numel() != rows * half):
+        return False
+    fn = _row_kernel("rope_" + suffix)
+    if fn is None:
+        return False
+    if rows:
+        fn(x.data_ptr(), x.stride(0), rows, heads, half, cis.data_ptr(), torch.get_num_threads())
+    return True
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
     """A float32 CPU weight ``[N, K]`` (rows contiguous) repacked for ``panel_gemm``: ``[panels, K, width]``,
     each panel ``width`` output columns as K consecutive runs (the last one zero-padded), so that a
@@ -400,9 +422,10 @@ def _call(fns: dict[torch.dtype, Callable[..., int]], what: str, query: torch.Te
     if not (out.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
         raise ValueError(f"{what} needs a contiguous out and caches of one shape")
     fn = fns.get(k_cache.dtype)
-    if fn is None or v_cache.dtype != k_cache.dtype or query.dtype != torch.float32 or out.dtype != torch.float32:
-        raise ValueError(f"{what} takes float32 queries and out over caches of one dtype in "
-                         f"{[str(d) for d in fns]}; got query {query.dtype}, caches {k_cache.dtype}/{v_cache.dtype}")
+    if fn is None or v_cache.dtype != k_cache.dtype or query.dtype not in _QUERY_DTYPES or out.dtype != query.dtype:
+        raise ValueError(f"{what} takes float32 or bfloat16 queries and out of their dtype over caches of one dtype "
+                         f"in {[str(d) for d in fns]}; got query {query.dtype}, out {out.dtype}, caches "
+                         f"{k_cache.dtype}/{v_cache.dtype}")
     bt = block_tables.to(torch.int32).contiguous()
     ctx = context_lens.to(torch.int32).contiguous()
     qsl = query_start_loc.to(torch.int32).contiguous()
@@ -410,7 +433,7 @@ def _call(fns: dict[torch.dtype, Callable[..., int]], what: str, query: torch.Te
     return fn(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         bt.data_ptr(), bt.stride(0), ctx.data_ptr(), qsl.data_ptr(), ctx.shape[0], query.shape[1], kvh, d, bs,
-        scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads(),
+        scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads(), int(query.dtype is torch.bfloat16),
     )
 
 
@@ -474,8 +497,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention``: decode rows and prefill chunks in C, each by its
-    kernel. The kernels compute in float32: bfloat16 queries are widened first (exact) and the output is
-    rounded back, as a bfloat16 model's SDPA would round its float32 accumulators."""
+    kernel. The kernels compute in float32: bfloat16 queries are widened as they are read (exact) and the
+    output rows rounded once as they are written, as a bfloat16 model's SDPA rounds its float32 accumulators."""
     del max_context_len  # the C kernel bounds every row by its own context length
     num_tokens, num_heads, _ = query.shape
     if num_heads % k_cache.shape[2]:
@@ -484,10 +507,12 @@ def paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype)
     if num_tokens == 0 or context_lens.shape[0] == 0:
         return out
-    if query.dtype is not torch.float32:
+    # the kernels read queries and write rows of one dtype: bfloat16 when both are, else float32
+    io_dtype = torch.bfloat16 if query.dtype is torch.bfloat16 and out.dtype is torch.bfloat16 else torch.float32
+    if query.dtype is not io_dtype:
         query = query.float()
-    direct = out.is_contiguous() and out.dtype is torch.float32  # the kernels write float32 rows in place
-    target = out if direct else torch.empty(out.shape, dtype=torch.float32)
+    direct = out.is_contiguous() and out.dtype is io_dtype
+    target = out if direct else torch.empty(out.shape, dtype=io_dtype)
     paged_decode(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window,
                  target)
     if max_query_len is None or max_query_len > 1:

@@ -476,6 +476,36 @@ def test_native_cpu_prefill_kernel(monkeypatch, group, d, bs, window, kv_dtype):
 
 
 @needs_cc
+@pytest.mark.parametrize("group,d,bs,window", [(3, 64, 16, None), (16, 64, 16, None), (4, 128, 16, 50),
+                                               (3, 64, 16, 33), (2, 80, 32, None), (3, 40, 16, 7)])
+def test_native_cpu_prefill_kernel_bfloat16_model(monkeypatch, group, d, bs, window):
+    # a bfloat16 model's prompt chunks (bfloat16 queries over a bfloat16 cache): on CPUs with bfloat16 dot
+    # products the kernel's pair panels (K pairs along the head dims, V pairs along the keys, 80 and 40 padded
+    # to whole panels); the same chunks as the float32 test above, NaN in unused slots
+    ctx = [150, 300, 33, 2, 97, 1, 700]
+    ql = [70, 100, 33, 2, 97, 1, 600]
+    case = as_cache(make_case(ctx, ql, kvh=2, group=group, d=d, bs=bs, dtype=torch.float32, seed=group * d + 1),
+                    torch.bfloat16)
+    case = replace(case, query=case.query.bfloat16())
+    from kvpilot.kernels import cpu_native
+
+    calls = _spy_prefill(monkeypatch, torch.bfloat16)
+    want = dense_batch(case, window)  # float32 over the bfloat16 values
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            got = cpu_native.paged_attention(*case.args(), sliding_window=window)
+            assert got.dtype == torch.bfloat16
+            # rounded weights and output: a few bfloat16 steps at most, on average well under one
+            torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+            assert (got.float() - want).abs().mean().item() < 2e-3
+    finally:
+        torch.set_num_threads(threads)
+    assert calls and all(c == len(ctx) for c in calls)
+
+
+@needs_cc
 def test_native_cpu_prefill_wide_groups_fall_back_to_sdpa(monkeypatch):
     from kvpilot.kernels import cpu_native
 
@@ -561,12 +591,28 @@ def test_native_cpu_16bit_cache(monkeypatch, group, d, bs, window, kv_dtype):
     assert_close(got, dense_batch(case, window), kv_dtype)
 
 
+def sdpa_bfloat16(case: Case) -> torch.Tensor:
+    """What a bfloat16 HF model's attention computes: torch's SDPA on bfloat16 q/K/V, sequence by sequence."""
+    outs, qsl = [], case.query_start_loc.tolist()
+    for i, (k, v) in enumerate(zip(case.dense_k, case.dense_v, strict=True)):
+        q = case.query[qsl[i] : qsl[i + 1]].transpose(0, 1)[None]
+        group = q.shape[1] // k.shape[1]
+        k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1)[None] for x in (k, v))
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=case.scale)[0]
+                    .transpose(0, 1))
+    return torch.cat(outs)
+
+
 @needs_cc
 def test_native_cpu_bfloat16_queries_over_a_bfloat16_cache(monkeypatch):
-    # a bfloat16 model: queries widened (exactly) on the way in, the float32 result rounded once on the way out
+    # a bfloat16 model: bfloat16 queries over a bfloat16 cache, the output rounded once as it is written. On
+    # CPUs with bfloat16 dot products both kernels multiply the bfloat16 values pairwise (exact products,
+    # float32 sums), and the prefill kernel rounds its softmax weights to bfloat16 for the product with V, as
+    # torch's bfloat16 SDPA does; elsewhere the queries are widened and all arithmetic is float32.
     from kvpilot.kernels import cpu_native
 
-    ctx, ql = mixed_lens(16)
+    ctx, ql = [1, 16, 17, 39, 19, 150, 300, 200], [1, 1, 1, 9, 19, 70, 300, 1]
     case = make_case(ctx, ql, kvh=3, group=3, d=64, bs=16, dtype=torch.bfloat16, seed=11)
     widened = replace(case, query=case.query.float())
     want = cpu_native.paged_attention(*widened.args())  # the float32-query call over the same cache
@@ -574,13 +620,25 @@ def test_native_cpu_bfloat16_queries_over_a_bfloat16_cache(monkeypatch):
     prefill_calls = _spy_prefill(monkeypatch, torch.bfloat16)
     got = cpu_native.paged_attention(*case.args())
     assert got.dtype == torch.bfloat16 and len(calls) == 1 and prefill_calls == [len(ctx)]
-    assert torch.equal(got, want.to(torch.bfloat16))
+    decode = torch.tensor([q == 1 for q in ql for _ in range(q)])
+    # decode rows: the float32 result up to the order of its sums, then rounded: within one bfloat16 step of it
+    torch.testing.assert_close(got[decode].float(), want[decode], atol=1e-6, rtol=2**-7)
+    assert (got[decode] != want[decode].to(torch.bfloat16)).float().mean().item() < 0.02
+    # prefill rows: no further from the exact result (float64) than torch's own bfloat16 SDPA
+    exact = dense_batch(replace(case, query=case.query.double(), dense_k=[k.double() for k in case.dense_k],
+                                dense_v=[v.double() for v in case.dense_v])).double()
+    ours = (got[~decode].double() - exact[~decode]).abs()
+    torchs = (sdpa_bfloat16(case)[~decode].double() - exact[~decode]).abs()
+    assert ours.mean() <= 1.05 * torchs.mean() and ours.max() <= 1.05 * torchs.max() + 2**-9
     assert_close(got, dense_batch(case), torch.bfloat16)
     # a strided out (rows of a wider buffer) gets the same values, and rows past the batch stay untouched
     buf = torch.full((got.shape[0] + 2, got.shape[1], 2 * got.shape[2]), 7.0, dtype=torch.bfloat16)
     out = buf[:, :, : got.shape[2]]
     cpu_native.paged_attention(*case.args(), out=out)
     assert torch.equal(out[: got.shape[0]], got) and bool((buf[got.shape[0]:] == 7.0).all())
+    # a float32 out keeps the float32 result unrounded
+    wide_out = cpu_native.paged_attention(*case.args(), out=torch.empty(got.shape, dtype=torch.float32))
+    assert torch.equal(wide_out, want)
 
 
 @needs_cc
@@ -647,11 +705,13 @@ def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
 @needs_cc
 @pytest.mark.slow
 @pytest.mark.parametrize("flags,dropped", [("-mno-avx2 -mno-fma", ("__AVX2__", "__FMA__")),
-                                           ("-mno-avx512f", ("__AVX512F__",))], ids=["portable", "avx2"])
+                                           ("-mno-avx512f", ("__AVX512F__",)),
+                                           ("-mno-avx512bf16", ("__AVX512BF16__",))],
+                         ids=["portable", "avx2", "avx512-without-bf16"])
 def test_narrower_builds_pass_the_kernel_tests(tmp_path, flags, dropped):
-    # CPUs without AVX2/FMA run the kernels' plain C loops, and AVX2-only CPUs their AVX2 paths where this
-    # machine may have AVX-512: build the library with those extensions off into a fresh cache and run every
-    # native-kernel test against it
+    # CPUs without AVX2/FMA run the kernels' plain C loops, AVX2-only CPUs their AVX2 paths, and AVX-512 CPUs
+    # without bfloat16 dot products a bfloat16 model's attention in float32, where this machine may have more:
+    # build the library with those extensions off into a fresh cache and run every native-kernel test against it
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     native = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
                             text=True)
@@ -996,6 +1056,40 @@ def test_native_bfloat16_silu_mul_and_rms_norm_round_as_hf(rows, dim):
     torch.testing.assert_close(got, want, atol=1e-2, rtol=8e-3)
     # a weight of another dtype than the rows is left to torch
     assert cpu_native.rms_norm(x, w.float(), 1e-5) is None
+
+
+@needs_cc
+@pytest.mark.parametrize("rows,heads,hd", [(0, 2, 8), (1, 12, 64), (7, 3, 10), (40, 12, 64), (2, 5, 128)])
+def test_native_rope_rotates_interleaved_pairs_in_place(rows, heads, hd):
+    # q/k rows of a projection (a view with the row stride of q|k|v), each head's dims as (x_2j, x_2j+1)
+    # pairs times cis[row, j]: torch's complex product, in float32; a bfloat16 row rotated in float32 and
+    # rounded once. hd 10 leaves a scalar tail after the 4-pair vectors; 40 rows take the threaded path.
+    from kvpilot.kernels import cpu_native
+
+    g = torch.Generator().manual_seed(rows * 100 + heads * 10 + hd)
+    qkv = torch.randn(rows, heads * hd + 24, generator=g) * 4
+    angles = torch.randn(rows, hd // 2, generator=g) * 30
+    cis = torch.polar(torch.ones_like(angles) * 1.25, angles)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows_in = qkv.to(dtype)
+        x = rows_in[:, : heads * hd]
+        wide = x.float().reshape(rows, heads, hd // 2, 2)
+        want = torch.view_as_real(torch.view_as_complex(wide.contiguous()) * cis[:, None]).reshape(rows, heads * hd)
+        tail = rows_in[:, heads * hd :].clone()
+        assert cpu_native.rope_(x, cis, heads)
+        torch.testing.assert_close(x.float(), want if dtype is torch.float32 else want.to(dtype).float(),
+                                   atol=2e-5 if dtype is torch.float32 else 0.0,
+                                   rtol=2e-6 if dtype is torch.float32 else 8e-3)
+        if dtype is torch.bfloat16 and rows:  # rounded once: the same bits but at a rounding tie's edge
+            assert (x != want.to(dtype)).float().mean().item() <= 0.01
+        assert torch.equal(rows_in[:, heads * hd :], tail)  # the v columns stay as they were
+    # anything else is left to torch, untouched
+    x = qkv[:, : heads * hd].clone()
+    assert not cpu_native.rope_(x.double(), cis, heads)
+    assert not cpu_native.rope_(x, cis.to(torch.complex128), heads)
+    assert not cpu_native.rope_(x, cis[:, : max(hd // 2 - 1, 0)], heads)  # one pair's rotation short
+    assert not cpu_native.rope_(x.t(), cis, heads) if rows > 1 else True
+    assert torch.equal(x, qkv[:, : heads * hd])
 
 
 @needs_cc

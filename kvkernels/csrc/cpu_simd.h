@@ -41,6 +41,17 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (finite 
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* The attention kernels' queries and outputs are float32 rows, or bfloat16 ones (a bfloat16 model's, widened
+ * on the way in and rounded once on the way out, so the arithmetic stays float32 either way). */
+static inline float load_io(const void *row, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+static inline void store_io(void *row, int64_t i, float x, int bf16) {
+    if (bf16) ((uint16_t *)row)[i] = f32_to_bf16(x);
+    else ((float *)row)[i] = x;
+}
+
 #if USE_AVX2
 /* 8 bfloat16 values from p, widened to float32 */
 static inline __attribute__((always_inline)) __m256 load_bf16x8(const uint16_t *p) {

@@ -1,4 +1,5 @@
-/* The model's elementwise steps for float32 and bfloat16 on the CPU: SiLU(gate) * up and RMSNorm.
+/* The model's elementwise steps for float32 and bfloat16 on the CPU: SiLU(gate) * up, RMSNorm and RoPE (at the
+ * end of this file).
  *
  * Why this exists: in torch each is several ops with temporaries. SiLU * up over the fused gate|up
  * projection of a 2048-token chunk (2048 x 1536 from a 2048 x 3072 view) took 4.7 ms per layer on 2
@@ -159,4 +160,70 @@ void kvpilot_rms_norm_bf16(const uint16_t *x, int64_t x_stride, int rows, int di
 #endif
     for (int r = 0; r < rows; r++)
         rms_norm_row_bf16(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
+}
+
+/* ---- RoPE on interleaved pairs ----
+ * rope: x [rows, heads * 2 * half] rows x_stride elements apart, each head's dims stored as (x_2j, x_2j+1)
+ *       pairs (see llama.interleave_rope_rows); cis [rows, half] (cos, sin) float pairs, row r's rotation.
+ *       Each pair becomes the complex product (x_2j + i x_2j+1)(cos + i sin), in place. The bfloat16 variant
+ *       rotates in float32 and rounds once. Why: in torch this was a complex multiply over a float copy of
+ *       q and k and, for bfloat16, two casts around it: four ops and three temporaries per layer, measured
+ *       at 2.7 ms of a 64-sequence bfloat16 decode step on 2 AVX512-BF16 cores. */
+#if USE_AVX2
+static inline __m256 rotate_pairs(__m256 v, __m256 cs) {  /* 4 pairs by 4 (cos, sin) */
+    const __m256 c = _mm256_moveldup_ps(cs), s = _mm256_movehdup_ps(cs);
+    const __m256 swapped = _mm256_permute_ps(v, 0xB1);  /* (x_2j+1, x_2j) */
+    return _mm256_fmaddsub_ps(v, c, _mm256_mul_ps(swapped, s));  /* even lanes subtract, odd lanes add */
+}
+#endif
+
+static inline void rotate_pair(float *x0, float *x1, const float *cs) {
+    const float a = *x0, b = *x1;
+    *x0 = a * cs[0] - b * cs[1];
+    *x1 = b * cs[0] + a * cs[1];
+}
+
+static void rope_row_f32(float *x, int heads, int half, const float *cis) {
+    for (int h = 0; h < heads; h++) {
+        float *p = x + (int64_t)h * 2 * half;
+        int j = 0;
+#if USE_AVX2
+        for (; j + 4 <= half; j += 4) _mm256_storeu_ps(p + 2 * j, rotate_pairs(_mm256_loadu_ps(p + 2 * j),
+                                                                                _mm256_loadu_ps(cis + 2 * j)));
+#endif
+        for (; j < half; j++) rotate_pair(p + 2 * j, p + 2 * j + 1, cis + 2 * j);
+    }
+}
+
+static void rope_row_bf16(uint16_t *x, int heads, int half, const float *cis) {
+    for (int h = 0; h < heads; h++) {
+        uint16_t *p = x + (int64_t)h * 2 * half;
+        int j = 0;
+#if USE_AVX2
+        for (; j + 4 <= half; j += 4)
+            store_bf16x8(p + 2 * j, round_bf16x8(rotate_pairs(load_bf16x8(p + 2 * j), _mm256_loadu_ps(cis + 2 * j))));
+#endif
+        for (; j < half; j++) {
+            float a = bf16_to_f32(p[2 * j]), b = bf16_to_f32(p[2 * j + 1]);
+            rotate_pair(&a, &b, cis + 2 * j);
+            p[2 * j] = f32_to_bf16(a), p[2 * j + 1] = f32_to_bf16(b);
+        }
+    }
+}
+
+void kvpilot_rope_f32(float *x, int64_t x_stride, int rows, int heads, int half, const float *cis, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 32)
+#endif
+    for (int r = 0; r < rows; r++) rope_row_f32(x + (int64_t)r * x_stride, heads, half, cis + (int64_t)r * 2 * half);
+}
+
+void kvpilot_rope_bf16(uint16_t *x, int64_t x_stride, int rows, int heads, int half, const float *cis,
+                       int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 32)
+#endif
+    for (int r = 0; r < rows; r++) rope_row_bf16(x + (int64_t)r * x_stride, heads, half, cis + (int64_t)r * 2 * half);
 }

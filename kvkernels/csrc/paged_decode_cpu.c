@@ -1,4 +1,5 @@
-/* Paged decode attention for the CPU: float32 queries and output, float32, float16 or bfloat16 KV cache.
+/* Paged decode attention for the CPU: float32 or bfloat16 queries and output, float32, float16 or bfloat16
+ * KV cache.
  *
  * Why this exists: the torch reference has to gather every sequence's K/V blocks into a dense
  * tensor before SDPA can run, so each decode step moves the whole KV context through memory
@@ -8,12 +9,13 @@
  *
  * Only rows of sequences that have exactly one query token this step (decodes) are computed;
  * the caller handles prefill chunks. Layouts match kvpilot.kernels:
- *   query  [T, H, D]  rows `q_row_stride` floats apart, heads D floats apart
+ *   query  [T, H, D]  rows `q_row_stride` elements apart, heads D elements apart; float32, or bfloat16 bits
+ *          in uint16_t when io_bf16 is set (widened on the way in; the output is then rounded once)
  *   cache  [num_blocks, block_size, KVH, D] contiguous, float (kvpilot_paged_decode_f32) or
  *          _Float16 (kvpilot_paged_decode_f16kv, only where the compiler has _Float16) or bfloat16 bits
  *          in uint16_t (kvpilot_paged_decode_bf16kv)
  *   block_tables [B, bt_stride] int32, context_lens [B] int32, query_start_loc [B + 1] int32
- *   out    [T, H, D] contiguous
+ *   out    [T, H, D] contiguous, the query's type
  * A query at position p = context_len - 1 sees keys k with k <= p and, when window > 0,
  * p - k < window.
  *
@@ -43,10 +45,10 @@
 #endif
 
 typedef struct {
-    const float *q;
+    const void *q;        /* float or bfloat16 bits, as io_bf16 says; so is out */
     const void *k_cache;  /* float, _Float16 or bfloat16 bits, as kv_type says */
     const void *v_cache;
-    float *out;
+    void *out;
     const int32_t *block_tables;
     const int32_t *context_lens;
     const int32_t *query_start_loc;
@@ -55,7 +57,7 @@ typedef struct {
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size, window;
     float scale;
     int num_threads, thread_index;
-    int kv_type;
+    int kv_type, io_bf16;
 } job_t;
 
 #if HAVE_F16
@@ -102,20 +104,32 @@ static inline int first_key(const job_t *j, int seq) {
     return (j->window > 0 && ctx > j->window) ? ctx - j->window : 0;
 }
 
-/* Element index of the first block sequence `seq` reads, or -1 when there is none to read. */
-static inline int64_t first_block(const job_t *j, int seq) {
-    if (seq >= j->num_seqs || j->context_lens[seq] <= 0) return -1;
-    const int64_t block_elems = (int64_t)j->block_size * j->num_kv_heads * j->head_dim;
-    return j->block_tables[(int64_t)seq * j->bt_stride + first_key(j, seq) / j->block_size] * block_elems;
+/* How many blocks ahead of the one in use a thread asks for its next rows (see block_ahead): 1, 2 and 3
+ * measured the same within the noise for 96 sequences of 16-528 tokens (-D on the compile line to measure). */
+#ifndef PREFETCH_BLOCKS_AHEAD
+#define PREFETCH_BLOCKS_AHEAD 1
+#endif
+
+/* Element index of the block `ahead` places after block `blk` of sequence `seq` in the order this thread
+ * reads them (the rest of `seq`, then `next_seq` from its first key), or -1 past them. */
+static inline int64_t block_ahead(const job_t *j, int seq, int blk, int next_seq, int ahead) {
+    const int BS = j->block_size;
+    const int64_t block_elems = (int64_t)BS * j->num_kv_heads * j->head_dim;
+    const int last = (j->context_lens[seq] - 1) / BS;
+    if (blk + ahead <= last) return j->block_tables[(int64_t)seq * j->bt_stride + blk + ahead] * block_elems;
+    if (next_seq >= j->num_seqs || j->context_lens[next_seq] <= 0) return -1;
+    const int nb = first_key(j, next_seq) / BS + (blk + ahead - last - 1);
+    if (nb > (j->context_lens[next_seq] - 1) / BS) return -1;
+    return j->block_tables[(int64_t)next_seq * j->bt_stride + nb] * block_elems;
 }
 
 /* A decode row's per-head state: the scaled queries, zero outputs, the online softmax's max and sum. */
 static inline __attribute__((always_inline)) void start_heads(const job_t *j, int row, const int H, const int D,
                                                               float (*qs)[D], float (*acc)[D], float *m, float *l) {
     for (int h = 0; h < H; h++) {
-        const float *src = j->q + (int64_t)row * j->q_row_stride + (int64_t)h * D;
+        const int64_t src = (int64_t)row * j->q_row_stride + (int64_t)h * D;
         for (int d = 0; d < D; d++) {
-            qs[h][d] = src[d] * j->scale;
+            qs[h][d] = load_io(j->q, src + d, j->io_bf16) * j->scale;
             acc[h][d] = 0.0f;
         }
         m[h] = -FLT_MAX;  /* not -inf: built with -ffast-math, which assumes finite values */
@@ -127,9 +141,9 @@ static inline __attribute__((always_inline)) void start_heads(const job_t *j, in
 static inline __attribute__((always_inline)) void finish_heads(const job_t *j, int row, const int H, const int D,
                                                                float (*acc)[D], const float *l) {
     for (int h = 0; h < H; h++) {
-        float *dst = j->out + ((int64_t)row * H + h) * D;
+        const int64_t dst = ((int64_t)row * H + h) * D;
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        for (int d = 0; d < D; d++) dst[d] = acc[h][d] * inv;
+        for (int d = 0; d < D; d++) store_io(j->out, dst + d, acc[h][d] * inv, j->io_bf16);
     }
 }
 
@@ -155,7 +169,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(const job_t *j, i
          * them and each new block would start with a stall on memory: while block blk is used,
          * ask for the next one (this sequence's, else the first of the next sequence this thread
          * serves), row by row: token t of this block fetches rows t of the next. */
-        const int64_t next = (blk + 1) * BS < ctx ? (int64_t)table[blk + 1] * BS * KVH * D : first_block(j, next_seq);
+        const int64_t next = block_ahead(j, seq, blk, next_seq, PREFETCH_BLOCKS_AHEAD);
         for (int t = t0; t < t1; t++) {
             if (next >= 0) prefetch_rows(j->k_cache, next + (int64_t)t * KVH * D, KVH * D, KV);
             for (int kvh = 0; kvh < KVH; kvh++) {
@@ -229,7 +243,14 @@ static void attend_seq(const job_t *j, int seq, int next_seq) {
  * 21.3-22.2 (float32: 20.9-22.0); over a whole 96-request run (bench/peers.py w96) the decode attention
  * took 1.62-1.65 s against 2.3-2.5 (float32: 1.8-2.2).
  * A float32 cache keeps the plain loops: copied through the same tile it ran slower (43-48 ms at 96
- * sequences), and read in place, kv head by kv head, slower still. */
+ * sequences), and read in place, kv head by kv head, slower still.
+ * V rows are widened in registers as the weighted sum reads them, and a bfloat16 model's scores (bfloat16
+ * queries over a bfloat16 cache) come from the dot-product instruction where the CPU has it (key_scores_bf16),
+ * with no K tile at all. Measured on 2 AVX512-BF16 threads, 96 sequences of 16-528 tokens, alternating in one
+ * process: 25.6 against 37.6 ms over 30 layers when the cache stays in L3 (one layer's blocks read 30 times),
+ * but 45-48 ms either way when each layer reads its own blocks from memory: there the prefetches wait (a
+ * quarter of the samples in perf sit on them), blocks of 32 or 64 tokens, prefetching 2-3 blocks ahead and
+ * huge pages made no difference beyond the noise, and a float32 cache takes about as long per block. */
 #if defined(__AVX512F__)
 enum { VW = 16 };
 typedef __m512 vec_t;
@@ -259,14 +280,9 @@ enum { NV_MAX = 128 / VW, PV_HEADS = 4 };
  * transpose and add at a time, into one vector of the VW sums in key order (a third of the instructions
  * of a horizontal sum per key). */
 #if defined(__AVX512F__)
-static inline __attribute__((always_inline)) vec_t key_scores(const vec_t *q, const int NV, const float *k,
-                                                               int64_t stride) {
-    vec_t p[16], a[8], b[4], c[2];
-    for (int t = 0; t < 16; t++) {
-        const float *r = k + t * stride;
-        p[t] = _mm512_mul_ps(q[0], _mm512_loadu_ps(r));
-        for (int v = 1; v < NV; v++) p[t] = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(r + v * 16), p[t]);
-    }
+/* p[t] holds key t's lane-wise partial sums: one vector of the 16 keys' sums, in key order */
+static inline __attribute__((always_inline)) vec_t reduce_keys(const vec_t *p) {
+    vec_t a[8], b[4], c[2];
     /* within each 128-bit lane: pairs of keys, then fours (as 64-bit pairs) */
     for (int i = 0; i < 8; i++)
         a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
@@ -281,6 +297,34 @@ static inline __attribute__((always_inline)) vec_t key_scores(const vec_t *q, co
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
+
+static inline __attribute__((always_inline)) vec_t key_scores(const vec_t *q, const int NV, const float *k,
+                                                               int64_t stride) {
+    vec_t p[16];
+    for (int t = 0; t < 16; t++) {
+        const float *r = k + t * stride;
+        p[t] = _mm512_mul_ps(q[0], _mm512_loadu_ps(r));
+        for (int v = 1; v < NV; v++) p[t] = _mm512_fmadd_ps(q[v], _mm512_loadu_ps(r + v * 16), p[t]);
+    }
+    return reduce_keys(p);
+}
+
+#if defined(__AVX512BF16__)
+#define HAVE_DP_BF16 1
+/* The same scores straight from a bfloat16 cache for a bfloat16 query (q2: its D values, NP = D / 32
+ * vectors of pairs): the dot-product instruction multiplies pairs of bfloat16 values exactly and adds
+ * them in float32, so no key row is widened first and there are half the instructions of the FMAs. */
+static inline __attribute__((always_inline)) vec_t key_scores_bf16(const __m512bh *q2, const int NP,
+                                                                    const uint16_t *k, int64_t stride) {
+    vec_t p[16];
+    for (int t = 0; t < 16; t++) {
+        const uint16_t *r = k + t * stride;
+        p[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(r), q2[0]);
+        for (int v = 1; v < NP; v++) p[t] = _mm512_dpbf16_ps(p[t], (__m512bh)_mm512_loadu_si512(r + v * 32), q2[v]);
+    }
+    return reduce_keys(p);
+}
+#endif
 #else
 static inline __attribute__((always_inline)) vec_t key_scores(const vec_t *q, const int NV, const float *k,
                                                                int64_t stride) {
@@ -296,29 +340,9 @@ static inline __attribute__((always_inline)) vec_t key_scores(const vec_t *q, co
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 #endif
-
-/* acc[h] = acc[h] * correction[h] + the sum over t in [t0, t1) of w[h][t] * V[t], for n heads (a
- * constant at each call): each V row is loaded once for all of them, and their n * NV accumulators are
- * independent FMA chains (one head's alone would wait on FMA latency at NV = 4). */
-static inline __attribute__((always_inline)) void weighted_rows(float *acc, const float *w, int wstride,
-                                                                const float *correction, const int n, const int NV,
-                                                                const float *vrows, int64_t tstride, int t0, int t1) {
-    const int D = NV * VW;
-    vec_t o[PV_HEADS][NV_MAX];
-    for (int h = 0; h < n; h++) {
-        const vec_t c = VEC_SET1(correction[h]);
-        for (int v = 0; v < NV; v++) o[h][v] = VEC_MUL(VEC_LOAD(acc + h * D + v * VW), c);
-    }
-    for (int t = t0; t < t1; t++) {
-        const float *vr = vrows + t * tstride;
-        for (int v = 0; v < NV; v++) {
-            const vec_t x = VEC_LOAD(vr + v * VW);
-            for (int h = 0; h < n; h++) o[h][v] = VEC_FMA(VEC_SET1(w[h * wstride + t]), x, o[h][v]);
-        }
-    }
-    for (int h = 0; h < n; h++)
-        for (int v = 0; v < NV; v++) VEC_STORE(acc + h * D + v * VW, o[h][v]);
-}
+#ifndef HAVE_DP_BF16
+#define HAVE_DP_BF16 0
+#endif
 
 /* Limits of the vector path's stack tiles (floats); larger shapes take the plain loops. */
 enum { VEC_MAX_TILE = 16 * 1024, VEC_MAX_HEAD_ROWS = 64 * 128 };
@@ -332,6 +356,31 @@ static inline __attribute__((always_inline)) vec_t load_widened(const uint16_t *
     return VEC_LOAD_BF16(p);
 }
 
+/* acc[h] = acc[h] * correction[h] + the sum over t in [t0, t1) of w[h][t] * V[t], for n heads (a
+ * constant at each call), V's 16-bit rows read from the cache and widened in registers: each V row is
+ * loaded once for all of them, and their n * NV accumulators are independent FMA chains (one head's alone
+ * would wait on FMA latency at NV = 4). */
+static inline __attribute__((always_inline)) void weighted_rows(float *acc, const float *w, int wstride,
+                                                                const float *correction, const int n, const int NV,
+                                                                const uint16_t *vrows, int64_t tstride, int t0,
+                                                                int t1, const int KV) {
+    const int D = NV * VW;
+    vec_t o[PV_HEADS][NV_MAX];
+    for (int h = 0; h < n; h++) {
+        const vec_t c = VEC_SET1(correction[h]);
+        for (int v = 0; v < NV; v++) o[h][v] = VEC_MUL(VEC_LOAD(acc + h * D + v * VW), c);
+    }
+    for (int t = t0; t < t1; t++) {
+        const uint16_t *vr = vrows + t * tstride;
+        for (int v = 0; v < NV; v++) {
+            const vec_t x = load_widened(vr + v * VW, KV);
+            for (int h = 0; h < n; h++) o[h][v] = VEC_FMA(VEC_SET1(w[h * wstride + t]), x, o[h][v]);
+        }
+    }
+    for (int h = 0; h < n; h++)
+        for (int v = 0; v < NV; v++) VEC_STORE(acc + h * D + v * VW, o[h][v]);
+}
+
 static inline int vec_path_fits(const job_t *j) {
     return (j->kv_type == KV_BF16 || (HAVE_VEC_F16 && j->kv_type == KV_F16))
            && (j->head_dim == 64 || j->head_dim == 128) && j->block_size % VW == 0
@@ -339,56 +388,68 @@ static inline int vec_path_fits(const job_t *j) {
            && j->num_heads * j->head_dim <= VEC_MAX_HEAD_ROWS;
 }
 
+/* DP (a constant where inlined): a bfloat16 query over a bfloat16 cache, scored by the dot-product
+ * instruction from the cache's rows (key_scores_bf16); otherwise a block's K rows are widened once into a
+ * float tile and scored by FMAs. V rows are always read from the cache and widened in registers. */
 static inline __attribute__((always_inline)) void attend_seq_16(const job_t *j, int seq, int next_seq,
-                                                                const int D, const int KV) {
+                                                                const int D, const int KV, const int DP) {
     const int NV = D / VW;
     const int KVH = j->num_kv_heads, G = j->num_heads / KVH, BS = j->block_size, NH = j->num_heads;
-    const int W = KVH * D;  /* floats in one token's widened rows */
+    const int W = KVH * D;  /* elements in one token's rows */
     const int row = j->query_start_loc[seq];
     const int ctx = j->context_lens[seq];
-    const int64_t token_stride = (int64_t)KVH * D;  /* elements from one token's rows to the next's */
-    float qs[NH][D], acc[NH][D], scores[NH][BS], correction[NH], m[NH], l[NH], kbuf[BS][W], vbuf[BS][W];
+    float qs[NH][D], acc[NH][D], scores[NH][BS], correction[NH], m[NH], l[NH], kbuf[DP ? 1 : BS][W];
+#if HAVE_DP_BF16
+    __m512bh q2[DP ? NH : 1][DP ? D / 32 : 1];  /* the query heads as bfloat16 pairs, unscaled */
+    if (DP)
+        for (int h = 0; h < NH; h++)
+            for (int v = 0; v < D / 32; v++)
+                q2[h][v] = (__m512bh)_mm512_loadu_si512((const uint16_t *)j->q + (int64_t)row * j->q_row_stride
+                                                        + (int64_t)h * D + v * 32);
+#endif
 
     start_heads(j, row, NH, D, qs, acc, m, l);
     const int start = first_key(j, seq);
     const int32_t *table = j->block_tables + (int64_t)seq * j->bt_stride;
     for (int blk = start / BS; blk * BS < ctx; blk++) {
-        const int64_t base = (int64_t)table[blk] * BS * token_stride;
+        const int64_t base = (int64_t)table[blk] * BS * W;
         const int t0 = start > blk * BS ? start - blk * BS : 0;
         const int t1 = ctx < (blk + 1) * BS ? ctx - blk * BS : BS;
-        /* blocks lie anywhere in the cache: while this one is widened, ask for the next one (this
-         * sequence's, else the first of the next sequence this thread serves), token t's rows beside t's */
-        const int64_t next = (blk + 1) * BS < ctx ? (int64_t)table[blk + 1] * BS * token_stride
-                                                  : first_block(j, next_seq);
+        /* blocks lie anywhere in the cache: while this one is read, ask for the next one (this sequence's,
+         * else the first of the next sequence this thread serves), token t's rows beside t's */
+        const int64_t next = block_ahead(j, seq, blk, next_seq, PREFETCH_BLOCKS_AHEAD);
         const uint16_t *kh = (const uint16_t *)j->k_cache + base, *vh = (const uint16_t *)j->v_cache + base;
-        for (int t = t0; t < t1; t++) {  /* in memory order, every row once */
-            if (next >= 0) {
-                prefetch_rows(j->k_cache, next + t * token_stride, W, KV);
-                prefetch_rows(j->v_cache, next + t * token_stride, W, KV);
+        if (next >= 0)  /* the K rows now, the V rows once the scores are done */
+            for (int t = t0; t < t1; t++) prefetch_rows(j->k_cache, next + (int64_t)t * W, W, KV);
+        /* every key of the block is scored, VW at a time; the scores of rows outside [t0, t1) (a partial
+         * block) are never read */
+        if (DP) {
+#if HAVE_DP_BF16
+            for (int h = 0; h < NH; h++) {
+                const vec_t scale = VEC_SET1(j->scale);
+                for (int t = 0; t < BS; t += VW)
+                    VEC_STORE(&scores[h][t], VEC_MUL(key_scores_bf16(q2[h], D / 32, kh + t * W + h / G * D, W), scale));
             }
-            for (int e = 0; e < W; e += VW) {
-                VEC_STORE(&kbuf[t][e], load_widened(kh + t * token_stride + e, KV));
-                VEC_STORE(&vbuf[t][e], load_widened(vh + t * token_stride + e, KV));
+#endif
+        } else {
+            for (int t = 0; t < BS; t++)  /* in memory order, every row once; rows outside [t0, t1) zeros */
+                for (int e = 0; e < W; e += VW)
+                    VEC_STORE(&kbuf[t][e], t >= t0 && t < t1 ? load_widened(kh + t * W + e, KV) : VEC_SET1(0.0f));
+            for (int h = 0; h < NH; h++) {
+                vec_t q[NV_MAX];
+                for (int v = 0; v < NV; v++) q[v] = VEC_LOAD(&qs[h][v * VW]);
+                for (int t = 0; t < BS; t += VW) VEC_STORE(&scores[h][t], key_scores(q, NV, &kbuf[t][h / G * D], W));
             }
         }
-        /* every key of the block is scored, VW at a time; the tile rows outside [t0, t1) (a partial
-         * block) are zeros, and their scores are never read */
-        if (t0 > 0 || t1 < BS)
-            for (int t = 0; t < BS; t++)
-                if (t < t0 || t >= t1)
-                    for (int e = 0; e < W; e++) kbuf[t][e] = 0.0f;
-        for (int h = 0; h < NH; h++) {
-            vec_t q[NV_MAX];
-            for (int v = 0; v < NV; v++) q[v] = VEC_LOAD(&qs[h][v * VW]);
-            for (int t = 0; t < BS; t += VW) VEC_STORE(&scores[h][t], key_scores(q, NV, &kbuf[t][h / G * D], W));
-        }
+        if (next >= 0)
+            for (int t = t0; t < t1; t++) prefetch_rows(j->v_cache, next + (int64_t)t * W, W, KV);
         for (int h = 0; h < NH; h++) online_softmax(scores[h], BS, t0, t1, &m[h], &l[h], &correction[h]);
         for (int kv = 0; kv < KVH; kv++) {
             for (int g = 0; g < G; g += PV_HEADS) {
                 const int h = kv * G + g;
                 switch (G - g < PV_HEADS ? G - g : PV_HEADS) {
 #define WEIGHTED_ROWS_CASE(n) \
-    case n: weighted_rows(&acc[h][0], &scores[h][0], BS, &correction[h], n, NV, &vbuf[0][kv * D], W, t0, t1); break;
+    case n: weighted_rows(&acc[h][0], &scores[h][0], BS, &correction[h], n, NV, vh + kv * D, W, t0, t1, KV); break;
                     WEIGHTED_ROWS_CASE(1) WEIGHTED_ROWS_CASE(2) WEIGHTED_ROWS_CASE(3) WEIGHTED_ROWS_CASE(4)
 #undef WEIGHTED_ROWS_CASE
                     default: break;
@@ -402,13 +463,20 @@ static inline __attribute__((always_inline)) void attend_seq_16(const job_t *j, 
 static void attend_seq_vec(const job_t *j, int seq, int next_seq) {
 #if HAVE_VEC_F16
     if (j->kv_type == KV_F16) {
-        if (j->head_dim == 64) attend_seq_16(j, seq, next_seq, 64, KV_F16);
-        else attend_seq_16(j, seq, next_seq, 128, KV_F16);
+        if (j->head_dim == 64) attend_seq_16(j, seq, next_seq, 64, KV_F16, 0);
+        else attend_seq_16(j, seq, next_seq, 128, KV_F16, 0);
         return;
     }
 #endif
-    if (j->head_dim == 64) attend_seq_16(j, seq, next_seq, 64, KV_BF16);
-    else attend_seq_16(j, seq, next_seq, 128, KV_BF16);
+#if HAVE_DP_BF16
+    if (j->io_bf16) {
+        if (j->head_dim == 64) attend_seq_16(j, seq, next_seq, 64, KV_BF16, 1);
+        else attend_seq_16(j, seq, next_seq, 128, KV_BF16, 1);
+        return;
+    }
+#endif
+    if (j->head_dim == 64) attend_seq_16(j, seq, next_seq, 64, KV_BF16, 0);
+    else attend_seq_16(j, seq, next_seq, 128, KV_BF16, 0);
 }
 #define HAVE_VEC_PATH 1
 #else
@@ -437,11 +505,11 @@ static void *run_share(void *arg) {
 #define MAX_THREADS 256
 
 /* Returns 0, or -1 when threads could not be started (nothing is computed then). */
-static int paged_decode(const float *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+static int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                         const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int window, float *out, int num_threads,
-                        int kv_type) {
+                        int head_dim, int block_size, float scale, int window, void *out, int num_threads,
+                        int io_bf16, int kv_type) {
     if (num_threads < 1) num_threads = 1;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
     if (num_threads > num_seqs) num_threads = num_seqs > 0 ? num_seqs : 1;
@@ -450,7 +518,7 @@ static int paged_decode(const float *q, int64_t q_row_stride, const void *k_cach
     for (int i = 0; i < num_threads; i++) {
         jobs[i] = (job_t){q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, q_row_stride,
                           bt_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, window, scale,
-                          num_threads, i, kv_type};
+                          num_threads, i, kv_type, io_bf16};
     }
 #ifdef _OPENMP
     /* Built with -fopenmp this runs on the OpenMP pool torch already uses (the same libgomp.so.1):
@@ -482,29 +550,30 @@ static int paged_decode(const float *q, int64_t q_row_stride, const void *k_cach
 /* The exported entry points, one per cache type (same arguments, in the order above). */
 #define DECODE_ARGS                                                                                         \
     q, q_row_stride, k_cache, v_cache, block_tables, bt_stride, context_lens, query_start_loc, num_seqs,    \
-        num_heads, num_kv_heads, head_dim, block_size, scale, window, out, num_threads
+        num_heads, num_kv_heads, head_dim, block_size, scale, window, out, num_threads, io_bf16
 
-int kvpilot_paged_decode_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+int kvpilot_paged_decode_f32(const void *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                              const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                              const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-                             int head_dim, int block_size, float scale, int window, float *out, int num_threads) {
+                             int head_dim, int block_size, float scale, int window, void *out, int num_threads,
+                             int io_bf16) {
     return paged_decode(DECODE_ARGS, KV_F32);
 }
 
 #if HAVE_F16
-int kvpilot_paged_decode_f16kv(const float *q, int64_t q_row_stride, const _Float16 *k_cache,
+int kvpilot_paged_decode_f16kv(const void *q, int64_t q_row_stride, const _Float16 *k_cache,
                                const _Float16 *v_cache, const int32_t *block_tables, int64_t bt_stride,
                                const int32_t *context_lens, const int32_t *query_start_loc, int num_seqs,
                                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                               int window, float *out, int num_threads) {
+                               int window, void *out, int num_threads, int io_bf16) {
     return paged_decode(DECODE_ARGS, KV_F16);
 }
 #endif
 
-int kvpilot_paged_decode_bf16kv(const float *q, int64_t q_row_stride, const uint16_t *k_cache,
+int kvpilot_paged_decode_bf16kv(const void *q, int64_t q_row_stride, const uint16_t *k_cache,
                                 const uint16_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
                                 const int32_t *context_lens, const int32_t *query_start_loc, int num_seqs,
                                 int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                                int window, float *out, int num_threads) {
+                                int window, void *out, int num_threads, int io_bf16) {
     return paged_decode(DECODE_ARGS, KV_BF16);
 }
