@@ -8,10 +8,10 @@ ctypes (which releases the GIL during the call). No compiler, a failed build or
 
 Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
 cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
-``silu_mul``, ``rms_norm`` and ``rope_`` are the model's float32 and bfloat16 elementwise steps and ``store_kv`` its cache
-writes, one pass each; ``panel_gemm`` is the GEMM of small decode steps, over weights that
-``pack_panels`` laid out for streaming. Attention's queries and output are float32 or bfloat16 (widened as
-read, rounded once as written: the arithmetic is float32); the cache is float32, bfloat16 or float16
+``silu_mul``, ``rms_norm`` and ``rope_`` are the model's float32 and bfloat16 elementwise steps and
+``store_kv`` its cache writes, one pass each; ``panel_gemm`` is the GEMM of small decode steps, over weights
+that ``pack_panels`` laid out for streaming. Attention's queries and output are float32 or bfloat16 (see
+``paged_attention``); the cache is float32, bfloat16 or float16
 (``kv_cache_dtype="float16"``: half the bytes a memory-bound decode step reads, widened to float32 in the
 kernel). The float16 entry points exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports``
 says which caches this build takes.
@@ -497,8 +497,11 @@ def paged_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention``: decode rows and prefill chunks in C, each by its
-    kernel. The kernels compute in float32: bfloat16 queries are widened as they are read (exact) and the
-    output rows rounded once as they are written, as a bfloat16 model's SDPA rounds its float32 accumulators."""
+    kernel. bfloat16 queries are read and bfloat16 output rows written by the kernels themselves, rounded
+    once from float32 accumulators. Over a bfloat16 cache on CPUs with bfloat16 dot products (AVX512-BF16)
+    the products multiply bfloat16 pairs exactly and add them in float32, the prefill kernel's softmax
+    weights rounded to bfloat16 as torch's bfloat16 SDPA does; otherwise the queries are widened (exactly)
+    and all arithmetic is float32."""
     del max_context_len  # the C kernel bounds every row by its own context length
     num_tokens, num_heads, _ = query.shape
     if num_heads % k_cache.shape[2]:

@@ -41,8 +41,8 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even (finite 
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* The attention kernels' queries and outputs are float32 rows, or bfloat16 ones (a bfloat16 model's, widened
- * on the way in and rounded once on the way out, so the arithmetic stays float32 either way). */
+/* The attention kernels' queries and outputs are float32 rows, or bfloat16 ones (a bfloat16 model's: read
+ * widened, exactly, and written rounded once from the float32 accumulators). */
 static inline float load_io(const void *row, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
