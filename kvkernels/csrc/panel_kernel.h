@@ -25,10 +25,9 @@ enum { PANEL = 32 };
  * for m < mb <= PANEL_MB and j < PANEL. `mb` is a constant at each call site (see panel_rows_n), so the
  * compiler drops the unused rows' registers and branches. */
 #if USE_AVX2 && defined(__AVX512F__)
-static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t xs, const int mb,
-                                                             const float *wp, int K, float *out, int64_t os,
-                                                             const float *scale) {
-    __m512 acc[PANEL_MB][2];
+/* The AVX-512 tile's accumulators: out's rows scaled, or zeros; and their store back */
+static inline __attribute__((always_inline)) void panel_acc_start(__m512 (*acc)[2], const int mb, const float *out,
+                                                                  int64_t os, const float *scale) {
     for (int m = 0; m < mb; m++) {
         if (scale) {
             const __m512 c = _mm512_set1_ps(scale[m]);
@@ -38,6 +37,21 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
             acc[m][0] = acc[m][1] = _mm512_setzero_ps();
         }
     }
+}
+
+static inline __attribute__((always_inline)) void panel_acc_store(__m512 (*acc)[2], const int mb, float *out,
+                                                                  int64_t os) {
+    for (int m = 0; m < mb; m++) {
+        _mm512_storeu_ps(out + m * os, acc[m][0]);
+        _mm512_storeu_ps(out + m * os + 16, acc[m][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t xs, const int mb,
+                                                             const float *wp, int K, float *out, int64_t os,
+                                                             const float *scale) {
+    __m512 acc[PANEL_MB][2];
+    panel_acc_start(acc, mb, out, os, scale);
     for (int k = 0; k < K; k++) {
         const __m512 w0 = _mm512_loadu_ps(wp + (int64_t)k * PANEL), w1 = _mm512_loadu_ps(wp + (int64_t)k * PANEL + 16);
         for (int m = 0; m < mb; m++) {
@@ -46,10 +60,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
             acc[m][1] = _mm512_fmadd_ps(b, w1, acc[m][1]);
         }
     }
-    for (int m = 0; m < mb; m++) {
-        _mm512_storeu_ps(out + m * os, acc[m][0]);
-        _mm512_storeu_ps(out + m * os + 16, acc[m][1]);
-    }
+    panel_acc_store(acc, mb, out, os);
 }
 #elif USE_AVX2
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t xs, const int mb,
@@ -111,15 +122,7 @@ static inline __attribute__((always_inline)) void panel_rows_bf16(const uint32_t
                                                                   const uint32_t *wp2, int K2, float *out,
                                                                   int64_t os, const float *scale) {
     __m512 acc[PANEL_MB][2];
-    for (int m = 0; m < mb; m++) {
-        if (scale) {
-            const __m512 c = _mm512_set1_ps(scale[m]);
-            acc[m][0] = _mm512_mul_ps(_mm512_loadu_ps(out + m * os), c);
-            acc[m][1] = _mm512_mul_ps(_mm512_loadu_ps(out + m * os + 16), c);
-        } else {
-            acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-        }
-    }
+    panel_acc_start(acc, mb, out, os, scale);
     for (int k = 0; k < K2; k++) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp2 + (int64_t)k * PANEL);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp2 + (int64_t)k * PANEL + 16);
@@ -129,10 +132,7 @@ static inline __attribute__((always_inline)) void panel_rows_bf16(const uint32_t
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, b);
         }
     }
-    for (int m = 0; m < mb; m++) {
-        _mm512_storeu_ps(out + m * os, acc[m][0]);
-        _mm512_storeu_ps(out + m * os + 16, acc[m][1]);
-    }
+    panel_acc_store(acc, mb, out, os);
 }
 
 static inline void panel_rows_bf16_n(const uint32_t *x2, int64_t xs2, int mb, const uint32_t *wp2, int K2,
