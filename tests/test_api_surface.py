@@ -9,8 +9,10 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.daemon.engine.loader import resolve_dtype
 from support.daemon_process import DaemonProcess
 
 KEY = "surface-key"
@@ -162,9 +164,13 @@ def test_echo_with_logprobs_scores_the_prompt(client, root):
     assert "".join(c.text for c in chunks) == out.choices[0].text
     streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
-    # the generated part is scored exactly as without echo
+    # the generated part is scored as without echo. The first generated token's row runs through the prefill
+    # kernel with echo (every prompt row is kept) and the decode kernel without; in bfloat16 (what "auto" picks
+    # on CPUs with bfloat16 dot products) these round differently, the prefill kernel's softmax weights to
+    # bfloat16 as torch's SDPA does (1.6e-3 apart on an AVX512-BF16 CPU)
     plain = greedy(client, max_tokens=2, logprobs=2).choices[0].logprobs
-    assert lp.token_logprobs[n:] == pytest.approx(plain.token_logprobs, abs=1e-3)
+    bf16 = resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert lp.token_logprobs[n:] == pytest.approx(plain.token_logprobs, abs=1e-2 if bf16 else 1e-3)
 
 
 def test_prompt_logprobs_extra(client, root):
