@@ -104,23 +104,15 @@ static inline int first_key(const job_t *j, int seq) {
     return (j->window > 0 && ctx > j->window) ? ctx - j->window : 0;
 }
 
-/* How many blocks ahead of the one in use a thread asks for its next rows (see block_ahead): 1, 2 and 3
- * measured the same within the noise for 96 sequences of 16-528 tokens (-D on the compile line to measure). */
-#ifndef PREFETCH_BLOCKS_AHEAD
-#define PREFETCH_BLOCKS_AHEAD 1
-#endif
-
-/* Element index of the block `ahead` places after block `blk` of sequence `seq` in the order this thread
- * reads them (the rest of `seq`, then `next_seq` from its first key), or -1 past them. */
-static inline int64_t block_ahead(const job_t *j, int seq, int blk, int next_seq, int ahead) {
+/* Element index of the block a thread reads after block `blk` of sequence `seq` (the next one of `seq`, else
+ * the first `next_seq` reads), or -1 when there is none: where the prefetches go while `blk` is in use. */
+static inline int64_t next_block(const job_t *j, int seq, int blk, int next_seq) {
     const int BS = j->block_size;
     const int64_t block_elems = (int64_t)BS * j->num_kv_heads * j->head_dim;
-    const int last = (j->context_lens[seq] - 1) / BS;
-    if (blk + ahead <= last) return j->block_tables[(int64_t)seq * j->bt_stride + blk + ahead] * block_elems;
+    if ((blk + 1) * BS < j->context_lens[seq])
+        return j->block_tables[(int64_t)seq * j->bt_stride + blk + 1] * block_elems;
     if (next_seq >= j->num_seqs || j->context_lens[next_seq] <= 0) return -1;
-    const int nb = first_key(j, next_seq) / BS + (blk + ahead - last - 1);
-    if (nb > (j->context_lens[next_seq] - 1) / BS) return -1;
-    return j->block_tables[(int64_t)next_seq * j->bt_stride + nb] * block_elems;
+    return j->block_tables[(int64_t)next_seq * j->bt_stride + first_key(j, next_seq) / BS] * block_elems;
 }
 
 /* A decode row's per-head state: the scaled queries, zero outputs, the online softmax's max and sum. */
@@ -169,7 +161,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(const job_t *j, i
          * them and each new block would start with a stall on memory: while block blk is used,
          * ask for the next one (this sequence's, else the first of the next sequence this thread
          * serves), row by row: token t of this block fetches rows t of the next. */
-        const int64_t next = block_ahead(j, seq, blk, next_seq, PREFETCH_BLOCKS_AHEAD);
+        const int64_t next = next_block(j, seq, blk, next_seq);
         for (int t = t0; t < t1; t++) {
             if (next >= 0) prefetch_rows(j->k_cache, next + (int64_t)t * KVH * D, KVH * D, KV);
             for (int kvh = 0; kvh < KVH; kvh++) {
@@ -417,7 +409,7 @@ static inline __attribute__((always_inline)) void attend_seq_16(const job_t *j, 
         const int t1 = ctx < (blk + 1) * BS ? ctx - blk * BS : BS;
         /* blocks lie anywhere in the cache: while this one is read, ask for the next one (this sequence's,
          * else the first of the next sequence this thread serves), token t's rows beside t's */
-        const int64_t next = block_ahead(j, seq, blk, next_seq, PREFETCH_BLOCKS_AHEAD);
+        const int64_t next = next_block(j, seq, blk, next_seq);
         const uint16_t *kh = (const uint16_t *)j->k_cache + base, *vh = (const uint16_t *)j->v_cache + base;
         if (next >= 0)  /* the K rows now, the V rows once the scores are done */
             for (int t = t0; t < t1; t++) prefetch_rows(j->k_cache, next + (int64_t)t * W, W, KV);
