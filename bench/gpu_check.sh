@@ -62,7 +62,7 @@ if ! "$PY" -c "import kvpilot.kernels, kvpilot.daemon.engine" 2>/dev/null; then
   mkdir -p "$SHIM"
   cp src/kvpilot/*.py "$SHIM/"
   ln -s "$PWD/daemon" "$SHIM/daemon"
-  ln -s "$PWD/kvkernels" "$SHIM/kernels"
+  ln -s "$PWD/kernels" "$SHIM/kernels"
   ln -s "$PWD/router" "$SHIM/router"
   export PYTHONPATH="$(dirname "$SHIM")${PYTHONPATH:+:$PYTHONPATH}"
 fi

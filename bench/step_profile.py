@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from kvpilot import kernels
 from kvpilot.daemon.engine import LLM
 from kvpilot.daemon.engine.models import llama
 from kvpilot.daemon.engine.runner import SeqBatchEntry, cpu_threads
 from kvpilot.daemon.engine.sampler import SamplingState
 from kvpilot.daemon.engine.sampling_params import SamplingParams
 from kvpilot.kernels import cpu_native, reference
+from kvpilot.kernels import ops as kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import KVPILOT_SETTINGS, fma_peak_gflops, make_workload, warm_up_kvpilot  # noqa: E402

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot import kernels
 from kvpilot.daemon.engine import LLM, SamplingParams
 from kvpilot.daemon.engine.config import EngineConfig
 from kvpilot.daemon.engine.loader import load_model, resolve_model_path
 from kvpilot.daemon.engine.runner import ModelRunner, SeqBatchEntry
 from kvpilot.kernels import cpu_native
+from kvpilot.kernels import ops as kernels
 
 MODEL = "builtin://smollm2-135m"
 BLOCK = 16

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvpilot.kernels as K
+from kvpilot.kernels import ops as K
 from kvpilot.kernels import reference as R
 
 # --------------------------------------------------------------------------------------- helpers

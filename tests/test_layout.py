@@ -25,7 +25,8 @@ def shadowed(folders: list[str], installed: dict[str, list[str]], stdlib: frozen
 
 
 def test_no_top_level_package_shadows_an_installed_or_standard_module() -> None:
-    assert "kvkernels" in top_level_packages()  # the listing sees the regular packages
+    assert "daemon" in top_level_packages()  # the listing sees the regular packages
+    assert "kernels" not in top_level_packages()  # a namespace folder, like operator/: it shadows nothing
     assert shadowed(top_level_packages(), importlib.metadata.packages_distributions(), sys.stdlib_module_names) == {}
 
 

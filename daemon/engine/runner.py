@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvpilot import kernels
+from kvpilot.kernels import ops as kernels
 
 from . import cuda_graphs, host_malloc
 from .config import EngineConfig

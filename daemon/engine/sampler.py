@@ -40,7 +40,7 @@ from itertools import chain
 
 import torch
 
-from kvpilot.kernels import cpu_native
+from kvpilot.kernels import ops
 
 from .sampling_params import SamplingParams
 
@@ -104,7 +104,7 @@ class Sampler:
         greedy = [p.temperature < GREEDY_TEMPERATURE for p in params]
         rand_rows = [i for i, g in enumerate(greedy) if not g]
         ranks = torch.ones(n, dtype=torch.long, device=device)  # greedy tokens are rank 1
-        fused = None if rand_rows else cpu_native.greedy_stats(proc)
+        fused = None if rand_rows else ops.greedy_stats(proc)
         if fused is not None:
             # all greedy on the CPU: argmax, max and logsumexp in one native pass per row
             tokens, mx, lse = fused

@@ -13,8 +13,8 @@ AMX; measured on 2 AVX512-BF16 cores, 576x3072 weights: 1.6x at 16 rows, 1.2x at
 and a size but no strided storage, so only ``linear`` below may read it.
 
 Steps of a few rows are different: they only stream the weights, and oneDNN reads them well below
-the host's streaming rate. There ``linear`` takes the weight's panels (``cpu_native.pack_panels``),
-when the model kept them, to ``cpu_native.panel_gemm``, up to ``small_batch_rows()`` rows: 64 on AVX2,
+the host's streaming rate. There ``linear`` takes the weight's panels (``ops.pack_panels``),
+when the model kept them, to ``ops.panel_gemm``, up to ``small_batch_rows()`` rows: 64 on AVX2,
 512 where the build has AVX-512. Measured there over a decode step's GEMMs (30 layers and the LM head,
 538 MB): 12-19 ms at 1-8 rows, where the earlier kernel over plain rows took 25-39 ms, and against
 oneDNN 29 vs 35 ms at 16 rows, 45 vs 53 at 32, 85 vs 96 at 64; over the 30 layers alone 196-213
@@ -29,7 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels import cpu_native
+from kvpilot.kernels import ops
 
 __all__ = ["linear", "prepack_supported", "prepack", "keep_panels", "small_batch_rows"]
 
@@ -58,7 +58,7 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
 def small_batch_rows() -> int:
     """Steps of up to this many rows use the panels (0: no kernel). A constant of the native build, read
     once: this is asked on every GEMM of every step."""
-    return cpu_native.panel_gemm_max_rows()
+    return ops.panel_gemm_max_rows()
 
 
 def keep_panels(extra_bytes: int) -> bool:
@@ -66,7 +66,7 @@ def keep_panels(extra_bytes: int) -> bool:
     steps: the native kernel is there and the copies take at most a tenth of physical memory, unless
     ``KVPILOT_SMALL_BATCH_GEMM`` says 0 or 1."""
     setting = os.environ.get(_PANELS_ENV, "").strip()
-    if setting == "0" or not cpu_native.available():
+    if setting == "0" or not ops.native_available():
         return False
     if setting == "1":
         return True
@@ -84,7 +84,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     which saves a pass over both, with the same results. Measured on 2 AVX-512 cores: 30 down projections
     of 2048 rows 533 ms against 556 with the add apart; whole steps moved less than their noise."""
     if panels is not None and x.shape[0] <= small_batch_rows():
-        y = cpu_native.panel_gemm(x, panels, weight.shape[0], bias, residual)
+        y = ops.panel_gemm(x, panels, weight.shape[0], bias, residual)
         if y is not None:
             return y
     if weight.is_mkldnn:

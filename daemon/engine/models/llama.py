@@ -2,7 +2,7 @@
 
 One forward pass runs one flattened varlen batch: ``input_ids``/``positions`` are ``[T]`` with the
 tokens of all scheduled sequences back to back. Each layer writes its new K/V with
-``kvpilot.kernels.store_kv`` and attends with ``kvpilot.kernels.paged_attention``. q/k/v and
+``kvpilot.kernels.ops.store_kv`` and attends with ``kvpilot.kernels.ops.paged_attention``. q/k/v and
 gate/up are fused into one matmul each. Numerics follow HF transformers (RMSNorm in float32,
 cos/sin cast to the model dtype) so float32 runs match it closely.
 """
@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot import kernels
-from kvpilot.kernels import cpu_native
+from kvpilot.kernels import ops
 
 from ..host_malloc import row_slices
 from .base import AttentionMetadata, OutputRows
@@ -33,7 +32,7 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    native = cpu_native.rms_norm(x, weight, eps)  # float32/bfloat16 CPU rows: one native pass (2x torch's op)
+    native = ops.rms_norm(x, weight, eps)  # float32/bfloat16 CPU rows: one native pass (2x torch's op)
     if native is not None:
         return native
     if x.dtype == torch.float32:
@@ -51,7 +50,7 @@ def _rotate(qk: torch.Tensor, t: int, heads: int, hd: int, cos: torch.Tensor, si
     multiply instead of HF's seven-op rotate_half (26x less time at 2048 tokens on the CPU).
     """
     if sin is None:
-        if cpu_native.rope_(qk, cos, heads):  # float32/bfloat16 CPU rows: rotated in place, one pass
+        if ops.rope_(qk, cos, heads):  # float32/bfloat16 CPU rows: rotated in place, one pass
             return qk.view(t, heads, hd)
         wide = qk if qk.dtype == torch.float32 else qk.float()  # bfloat16 rows rotate in float32
         pairs = torch.view_as_complex(wide.reshape(t, heads, hd // 2, 2))
@@ -192,13 +191,13 @@ class LlamaDecoderLayer(nn.Module):
         qk = _rotate(qkv[:, : self.q_size + self.kv_size], t, nh + nkv, hd, cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, hd)
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if output_rows is not None:  # the rest only for the rows that are used
             x, q, meta = x.index_select(0, output_rows.rows), q.index_select(0, output_rows.rows), output_rows.meta
             t = x.shape[0]
             if t == 0:
                 return x
-        o = kernels.paged_attention(
+        o = ops.paged_attention(
             q,
             k_cache,
             v_cache,
@@ -226,7 +225,7 @@ class LlamaDecoderLayer(nn.Module):
         """``h + down(SiLU(gate) * up)`` of the post-attention norm of ``h``."""
         gu = linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias,
                     self.gate_up_weight_panels)
-        act = cpu_native.silu_mul(gu)  # float32/bfloat16 on the CPU: one pass, 2x SiLU-then-multiply
+        act = ops.silu_mul(gu)  # float32/bfloat16 on the CPU: one pass, 2x SiLU-then-multiply
         if act is None:
             gate, up = gu.split(self.inter, dim=-1)
             act = F.silu(gate) * up
@@ -241,10 +240,10 @@ def _panels_name(weight_name: str) -> str:
 
 
 def _panels_in_place(dense: torch.Tensor) -> torch.Tensor | None:
-    """``cpu_native.pack_panels`` of a weight nothing reads densely any more, written into the weight's
+    """``ops.pack_panels`` of a weight nothing reads densely any more, written into the weight's
     own pages where the sizes match (no padding): they are resident already, and a fresh copy would
     fault in 400+ MB at start, at 1-3 s per GiB on a VM."""
-    panels = cpu_native.pack_panels(dense.detach())
+    panels = ops.pack_panels(dense.detach())
     if panels is None or panels.numel() != dense.numel():
         return panels
     flat = dense.detach().view(-1)
@@ -376,7 +375,7 @@ class LlamaForCausalLM(nn.Module):
             layer.prepack_weights(keep_panels=keep)
         packed_head = prepack(head)
         if keep:  # a tied head is the embedding table, which the token lookup still reads densely
-            self.lm_head_panels = cpu_native.pack_panels(head.detach()) if self.tie_word_embeddings \
+            self.lm_head_panels = ops.pack_panels(head.detach()) if self.tie_word_embeddings \
                 else _panels_in_place(head)
         del self._parameters["lm_head"]  # tied: the embedding stays registered as embed_tokens
         self.register_buffer("lm_head", packed_head, persistent=False)

@@ -1,6 +1,6 @@
-"""Paged KV-cache kernels with backend dispatch.
+"""The kernels' entry module: paged KV-cache kernels with backend dispatch, and the native CPU row kernels.
 
-The engine imports only from here. Triton runs when the tensors are on CUDA and triton is
+The engine imports kernels only from here (tests/test_import_directions.py keeps it so). Triton runs when the tensors are on CUDA and triton is
 importable. On the CPU, float32 or bfloat16 queries over a float32, bfloat16 or float16 cache go to the
 native kernels (``cpu_native``, built on first use: decode rows and prefill chunks in C, each reading the
 paged cache in place and computing in float32) when a C compiler is there, and everything else to the
@@ -32,6 +32,11 @@ import torch
 
 from . import cpu_native, reference
 
+# The model's native CPU steps: each returns None (or False) where it does not apply, and the caller falls
+# back to torch.
+from .cpu_native import available as native_available
+from .cpu_native import greedy_stats, pack_panels, panel_gemm, panel_gemm_max_rows, rms_norm, rope_, silu_mul
+
 __all__ = [
     "store_kv",
     "paged_attention",
@@ -40,6 +45,14 @@ __all__ = [
     "backend_for",
     "attention_backend_for",
     "triton_available",
+    "native_available",
+    "greedy_stats",
+    "pack_panels",
+    "panel_gemm",
+    "panel_gemm_max_rows",
+    "rms_norm",
+    "rope_",
+    "silu_mul",
 ]
 
 _ENV = "KVPILOT_ATTENTION_BACKEND"

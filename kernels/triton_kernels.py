@@ -1,6 +1,6 @@
 """Triton kernels for the paged KV cache (CUDA path; tests run them under TRITON_INTERPRET=1).
 
-Importing this module imports triton; ``kvpilot.kernels`` only does so on first use.
+Importing this module imports triton; ``kvpilot.kernels.ops`` only does so on first use.
 """
 
 from __future__ import annotations
