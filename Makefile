@@ -59,7 +59,7 @@ e2e: install
 demo: install
 	$(PY) e2e/demo.py
 
-# The README's `kvpilot serve` flag table, regenerated from --help (tests/test_readme.py checks it).
+# docs/configuration.md's `kvpilot serve` flag table, regenerated from --help (tests/test_readme.py checks it).
 readme: install
 	$(PY) tests/support/serve_flags.py
 

@@ -55,9 +55,8 @@ class PickerConfig:
     prefix: bool = True  # prefix index + consistent hashing
     load: bool = True  # scraped load, the load cap, spills and the KV-full rule (off: our in-flight count only)
     session: bool = False
-    # Affinity may put a replica at most this share above the mean load. 1.0 (twice the mean) measured best
-    # in bench/router_chat.py: at 0.25 small loads spilled tenants off their cached replica (TTFT p50 1.08x
-    # round-robin's vs 1.54x at 1.0, with the busiest replica at 1.2x the mean either way).
+    # Affinity may put a replica at most this share above the mean load. 1.0 (twice the mean) did best in
+    # bench/router_chat.py: lower caps spilled tenants off their cached replica (bench/results/router_chat.json).
     load_cap: float = 1.0
     kv_full: float = 0.95  # replicas at or above this KV usage are no affinity target
     hash_blocks: int = 1  # how many leading blocks seed the consistent hash

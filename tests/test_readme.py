@@ -1,5 +1,6 @@
-"""The README's examples run as written: `make serve`, then its curl and openai-client blocks, and the
-offline API; the scripts in examples/ likewise. The `kvpilot serve` flag table matches `--help`."""
+"""The examples of README.md and docs/*.md run as written: `make serve`, then their curl and openai-client
+blocks, and the offline API; the scripts in examples/ likewise. The `kvpilot serve` flag table in
+docs/configuration.md matches `--help`."""
 
 from __future__ import annotations
 
@@ -17,12 +18,11 @@ from pathlib import Path
 import pytest
 
 from support import serve_flags
-from support.readme_blocks import KINDS, Block, blocks
+from support.readme_blocks import KINDS, Block, all_blocks, doc_files
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
 VENV_BIN = Path(sys.executable).parent
-BLOCKS = blocks(README)
+BLOCKS = all_blocks(ROOT)
 
 
 def _env() -> dict[str, str]:
@@ -45,8 +45,14 @@ def _by_kind(kind: str) -> list[Block]:
     return [b for b in BLOCKS if b.kind == kind]
 
 
+def test_docs_are_collected():
+    files = {p.relative_to(ROOT).as_posix() for p in doc_files(ROOT)}
+    assert "README.md" in files and "docs/configuration.md" in files
+    assert any(b.file == "README.md" for b in BLOCKS), "the README has no bash/python blocks"
+
+
 def test_every_block_is_marked_with_a_known_kind():
-    assert BLOCKS, "the README has no bash/python blocks"
+    assert BLOCKS, "README.md and docs/*.md have no bash/python blocks"
     for b in BLOCKS:
         assert b.kind in KINDS, f"{b.where}: mark it with <!-- readme: {'|'.join(KINDS)} -->"
         if b.kind in ("run", "client"):
@@ -65,7 +71,7 @@ def test_cluster_blocks_are_at_least_valid_syntax():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", _by_kind("run"), ids=lambda b: f"line{b.line}")
+@pytest.mark.parametrize("block", _by_kind("run"), ids=lambda b: f"{b.file}:{b.line}")
 def test_run_blocks(block: Block):
     _run(block)
 
@@ -81,7 +87,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def served_port() -> Iterator[int]:
     """The README's own serve block (`make serve`), on a free port instead of 8000."""
-    (serve,) = _by_kind("serve")
+    serves = _by_kind("serve")
+    assert len(serves) == 1, f"exactly one serve block, the README's: {[b.where for b in serves]}"
+    (serve,) = serves
+    assert serve.file == "README.md", f"{serve.where}: the serve block belongs in the README's quick start"
     assert serve.code.strip() == "make serve", f"{serve.where}: the test starts exactly `make serve`"
     port = _free_port()
     log = open(ROOT / ".venv" / f"readme-serve-{port}.log", "w+")  # noqa: SIM115 - lives as long as the server
@@ -112,7 +121,7 @@ def _ready(port: int) -> bool:
 @pytest.mark.slow
 def test_client_blocks_against_make_serve(served_port: int):
     clients = _by_kind("client")
-    assert clients, "the README shows no HTTP example"
+    assert any(b.file == "README.md" for b in clients), "the README shows no HTTP example"
     for block in clients:
         _run(block, port=served_port)
 
@@ -134,12 +143,12 @@ def test_example_scripts(script: Path, served_port: int):
     assert re.search(m.group(1), r.stdout), f"{script.name}: output does not match {m.group(1)!r}:\n{r.stdout}"
 
 
-def test_readme_flag_table_matches_serve_help():
-    text = README.read_text()
+def test_flag_table_matches_serve_help():
+    text = serve_flags.TARGET.read_text()
     m = re.search(re.escape(serve_flags.START) + ".*?" + re.escape(serve_flags.END), text, re.S)
-    assert m, "README.md lacks the <!-- serve-flags:start/end --> table"
+    assert m, "docs/configuration.md lacks the <!-- serve-flags:start/end --> table"
     assert m.group(0) == serve_flags.section(serve_flags.help_text()), (
-        "README's `kvpilot serve` table differs from `kvpilot serve --help`: run `make readme`")
+        "docs/configuration.md's `kvpilot serve` table differs from `kvpilot serve --help`: run `make readme`")
 
 
 def test_flag_table_lists_every_option_of_help():

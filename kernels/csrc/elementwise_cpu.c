@@ -1,11 +1,10 @@
 /* The model's elementwise steps for float32 and bfloat16 on the CPU: SiLU(gate) * up, RMSNorm and RoPE (at the
  * end of this file).
  *
- * Why this exists: in torch each is several ops with temporaries. SiLU * up over the fused gate|up
- * projection of a 2048-token chunk (2048 x 1536 from a 2048 x 3072 view) took 4.7 ms per layer on 2
- * AVX2 cores: SiLU of a strided view, then a multiply into a new tensor. RMSNorm is a composite op
- * whose fixed cost (37 us for 8 rows) is paid 61 times per decode step. Here each is one pass over
- * its rows, split among the OpenMP threads torch uses.
+ * Why this exists: in torch each is several ops with temporaries (SiLU of a strided view, then a
+ * multiply into a new tensor; RMSNorm a composite op whose fixed cost is paid 61 times per decode step).
+ * Here each is one pass over its rows, split among the OpenMP threads torch uses (step profiles:
+ * bench/results/profile_*.md).
  *
  * silu_mul: gu [rows, 2 * inter] rows gu_stride floats apart (gate = the first inter columns, up =
  *           the rest); out [rows, inter] contiguous.
@@ -14,8 +13,7 @@
  *           lanes in float64.
  * The _bf16 variants take and give bfloat16 (uint16_t bits), compute in float32 and round as HF's bfloat16
  * modules do, op by op (round to nearest even): rms_norm rounds the normalized row, then its product with
- * the weight; silu_mul rounds SiLU(gate), then its product with up. Measured in a bfloat16 step
- * profile on 2 AVX512-BF16 cores, torch's ops for them were 7-12% of a step (casts and temporaries).
+ * the weight; silu_mul rounds SiLU(gate), then its product with up.
  */
 #include <math.h>
 #include <stdint.h>
@@ -167,8 +165,7 @@ void kvpilot_rms_norm_bf16(const uint16_t *x, int64_t x_stride, int rows, int di
  *       pairs (see llama.interleave_rope_rows); cis [rows, half] (cos, sin) float pairs, row r's rotation.
  *       Each pair becomes the complex product (x_2j + i x_2j+1)(cos + i sin), in place. The bfloat16 variant
  *       rotates in float32 and rounds once. Why: in torch this was a complex multiply over a float copy of
- *       q and k and, for bfloat16, two casts around it: four ops and three temporaries per layer, measured
- *       at 2.7 ms of a 64-sequence bfloat16 decode step on 2 AVX512-BF16 cores. */
+ *       q and k and, for bfloat16, two casts around it: four ops and three temporaries per layer. */
 #if USE_AVX2
 static inline __m256 rotate_pairs(__m256 v, __m256 cs) {  /* 4 pairs by 4 (cos, sin) */
     const __m256 c = _mm256_moveldup_ps(cs), s = _mm256_movehdup_ps(cs);

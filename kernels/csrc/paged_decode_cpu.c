@@ -37,9 +37,8 @@
 
 /* Where the next block's rows are asked for: L2 (gcc locality 2, prefetcht1), not L1. A block's K and V
  * rows plus the next block's are 48 KiB at block size 16, more than L1 holds, so rows fetched into L1
- * evicted the ones in use. Measured cold over 30 layers (96 sequences, contexts 16-528, blocks scattered),
- * 2 threads: 57-65 ms into L2 against 95-113 ms into L1 (11-12 GB/s, now 19-21; a plain sum streams
- * 28.5 GB/s here), on the AVX-512 and the AVX2 build alike. -D on the compile line to measure others. */
+ * evicted the ones in use; into L2, decode attention over scattered blocks ran about 1.7x as fast (history
+ * in CHANGELOG.md). -D on the compile line to try others. */
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
 #endif
@@ -228,21 +227,12 @@ static void attend_seq(const job_t *j, int seq, int next_seq) {
  * key, a row widened once per kv head it is read for), so a float16 cache read no faster than a float32
  * one. Here each block's rows are widened once, in memory order, into a float tile; the keys' scores
  * come VW at a time from one transpose-and-add reduction, the softmax weights from the AVX2 exp 8 at a
- * time, and the weighted V rows accumulate in registers for up to PV_HEADS heads at once. Measured on 2
- * AVX-512 threads, 30 layers of SmolLM2's shape (9 heads, 3 kv heads, 64 dims), blocks of 16:
- * 96 sequences of 16-528 tokens 26-28 ms against 41-47 through the plain loops (float32 cache: 35-39);
- * one sequence of 4096 tokens 7.0 ms against 9.1-10.7 (float32: 7.4-7.6), two of 8192 15.4-15.5 against
- * 21.3-22.2 (float32: 20.9-22.0); over a whole 96-request run (bench/peers.py w96) the decode attention
- * took 1.62-1.65 s against 2.3-2.5 (float32: 1.8-2.2).
- * A float32 cache keeps the plain loops: copied through the same tile it ran slower (43-48 ms at 96
- * sequences), and read in place, kv head by kv head, slower still.
+ * time, and the weighted V rows accumulate in registers for up to PV_HEADS heads at once: about 1.6x the
+ * plain loops on a float16 cache. A float32 cache keeps the plain loops (through the tile it ran slower).
  * V rows are widened in registers as the weighted sum reads them, and a bfloat16 model's scores (bfloat16
  * queries over a bfloat16 cache) come from the dot-product instruction where the CPU has it (key_scores_bf16),
- * with no K tile at all. Measured on 2 AVX512-BF16 threads, 96 sequences of 16-528 tokens, alternating in one
- * process: 25.6 against 37.6 ms over 30 layers when the cache stays in L3 (one layer's blocks read 30 times),
- * but 45-48 ms either way when each layer reads its own blocks from memory: there the prefetches wait (a
- * quarter of the samples in perf sit on them), blocks of 32 or 64 tokens, prefetching 2-3 blocks ahead and
- * huge pages made no difference beyond the noise, and a float32 cache takes about as long per block. */
+ * with no K tile at all. In a whole run this kernel is bound by memory, not arithmetic (decode attention
+ * in bench/results/profile_run_w96.md and profile_run_w96_bf16.md). */
 #if defined(__AVX512F__)
 enum { VW = 16 };
 typedef __m512 vec_t;

@@ -13,10 +13,9 @@
  *     so every key tile loaded is used by all of them;
  *   - both products, scores = q . K and out += weights . V, are the panel GEMM's register tile (12 rows
  *     x 32 columns on AVX-512, 3 x 32 on AVX2, plain loops elsewhere), with an online softmax per row
- *     over the tile's 64 keys in between. Measured on 2 AVX-512 cores (9 query heads over 3 kv heads,
- *     head dim 64): 115-155 GFLOP/s over 128-2048 positions in C, where 16-key tiles and separate
- *     4 x 16 / 2 x 32 AVX2 tiles reached 45-85: the softmax's per-tile cost was paid 4x as often and
- *     the small tiles' loads and broadcasts bounded the FMAs;
+ *     over the tile's 64 keys in between. Smaller tiles (16 keys, separate small AVX2 tiles) ran at
+ *     about half the rate: the softmax's per-tile cost was paid 4x as often and their loads and
+ *     broadcasts bounded the FMAs (bench/results/prefill_kernel_ab.json);
  *   - causal tiles past a task's last position are never visited, and in the diagonal tile a group of
  *     rows computes only the key panels (scores) and keys (output) its last row sees.
  * A bfloat16 model (bfloat16 queries over a bfloat16 cache) on a CPU with bfloat16 dot products (AVX512-BF16)
@@ -24,9 +23,8 @@
  * products on the dot-product instruction (panel_rows_bf16): each multiplies two pairs exactly and adds them in
  * float32, half the instructions of the float32 FMAs. The queries go in unscaled (exact) and the scores are
  * scaled; the softmax weights are rounded to bfloat16 for the product with V, as torch's bfloat16 SDPA rounds
- * them (the test checks the result is no further from the exact one than torch's). Measured on 2 such cores,
- * 30 layers of SmolLM2's shape: 2048 positions 617 against 860 ms (float32 arithmetic over the same cache),
- * 512 positions 50 against 57 ms; a whole 2048-token bfloat16 prompt 1.67-1.71 s against 1.95-1.98.
+ * them (the test checks the result is no further from the exact one than torch's). Faster than float32
+ * arithmetic over the same cache, most at long prompts (bench/results/profile_run_w96_bf16.md).
  * Work is split over the OpenMP team torch already uses: first the key tiles, then the
  * (sequence, kv head, query tile) tasks, most expensive first. Without OpenMP it runs on one thread.
  *

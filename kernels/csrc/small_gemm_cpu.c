@@ -3,20 +3,17 @@
  * Why this exists: with 1-16 rows the product is bound by reading the weight once, and oneDNN's
  * packed GEMM reads it well below the host's streaming rate. A plain row-major weight does not stream
  * well either: a kernel that walks a tile of weight rows along K reads a few short streams at once
- * (a 576-float row is 36 cache lines), too short for the hardware prefetcher to train on. Measured on
- * 2 AVX-512 cores over 30 layers' weights and the LM head (538 MB): 22 GB/s at 1 row and 16 GB/s at 4
- * that way, where a plain sum over the same bytes streams 49 GB/s.
+ * (a 576-float row is 36 cache lines), too short for the hardware prefetcher to train on: well under
+ * half the rate of a plain sum over the same bytes.
  *
  * So the weight is repacked once, at load, into panels of PANEL output columns: panel p holds columns
  * [p * PANEL, (p + 1) * PANEL) as K consecutive runs of PANEL floats ([panels][K][PANEL], the last panel
  * zero-padded). One panel is then one sequential stream, and the product is an outer-product kernel:
  * for each k, PANEL weights times the broadcast x[m][k] of each of up to PANEL_MB rows, accumulated in
- * registers (no horizontal sums). Measured the same way: 12-19 ms per pass at 1-8 rows where the
- * row-major kernel took 25-39 ms; on AVX-512, 196-213 GFLOP/s at 64-512 rows over 30 layers' weights,
- * against oneDNN's packed GEMM at 145-198, and level with it from 768 rows (hence the row limit there).
- * The AVX2 build (3-row tile) was measured the same way with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA):
- * 1.10-1.86x oneDNN's rate at 8-64 rows, 1.01-1.05x at 96-128, 0.91-0.95x at 192, so it stops at 64;
- * whole decode steps at 24-32 running took 97-123 ms against 109-134 with the earlier limit of 16.
+ * registers (no horizontal sums). That is about twice the row-major kernel's speed at 1-8 rows; on
+ * AVX-512 it leads oneDNN's packed GEMM up to 512 rows and is level from 768 (hence the row limit), and
+ * the AVX2 build (3-row tile, against oneDNN held to AVX2) leads it only up to 64 rows, where it stops.
+ * Step profiles: bench/results/profile_*.md.
  *
  * Threads split the panels into contiguous shares, so that each streams one range of the weight. More
  * rows than PANEL_MB go in groups over the same panel, which the first group has brought into L2.

@@ -1,6 +1,6 @@
-"""The README's `kvpilot serve` flag table, made from `kvpilot serve --help` (what users see).
+"""The `kvpilot serve` flag table of docs/configuration.md, made from `kvpilot serve --help` (what users see).
 
-    .venv/bin/python tests/support/serve_flags.py          # rewrite the table in README.md (`make readme`)
+    .venv/bin/python tests/support/serve_flags.py          # rewrite the table in docs/configuration.md (`make readme`)
     tests/test_readme.py checks that the table is current.
 """
 
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TARGET = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 START, END = "<!-- serve-flags:start -->", "<!-- serve-flags:end -->"
 _OPTION = re.compile(r"^  (-\S.*?)(?:\s{2,}(\S.*))?$")
 
@@ -51,9 +51,12 @@ def section(text: str) -> str:
 
 
 def main() -> int:
-    readme = README.read_text(encoding="utf-8")
-    new = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section(help_text()), readme, flags=re.S)
-    README.write_text(new, encoding="utf-8")
+    doc = TARGET.read_text(encoding="utf-8")
+    if START not in doc or END not in doc:
+        print(f"{TARGET} lacks {START} ... {END}", file=sys.stderr)
+        return 1
+    new = re.sub(re.escape(START) + ".*?" + re.escape(END), lambda _: section(help_text()), doc, flags=re.S)
+    TARGET.write_text(new, encoding="utf-8")
     return 0
 
 

@@ -212,10 +212,8 @@ class LlamaDecoderLayer(nn.Module):
         h = linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_panels, residual=x)
 
         # SwiGLU MLP, on the CPU in slices of rows whose gate|up output stays within malloc's reach: a larger
-        # one is a fresh mapping that faults in on every step. Measured on a random-weight model of
-        # Llama-3.2-1B's shape (4 layers; 128 MiB of gate|up at 2048 rows): 147k page faults every 2048-token
-        # step and 1.92-2.24 s a step, against none (once the heap has grown) and 1.80-2.01 s in four
-        # slices. SmolLM2's 24 MiB at 2048 rows stays whole.
+        # one is a fresh mapping that faults in on every step (a 1B-class model faulted on every 2048-token
+        # step without the slices; CHANGELOG.md). SmolLM2's 24 MiB at 2048 rows stays whole.
         slices = row_slices(t, 2 * self.inter * h.element_size()) if h.device.type == "cpu" else None
         if slices is None:
             return self._mlp(h)
@@ -300,8 +298,8 @@ class LlamaForCausalLM(nn.Module):
         inv_freq, attn_scale = rope_inv_freq(config, self.head_dim, max_model_len)
         freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         # float32 uses the complex-multiply RoPE on interleaved q/k rows (see _rotate), and so does bfloat16 on
-        # the CPU, rotating in float32 and rounding once where HF's ops round each product and sum (a 512-token
-        # bfloat16 prefill step's glue 33 -> 24 ms on 2 AVX512-BF16 cores); other dtypes and devices keep HF's
+        # the CPU, rotating in float32 and rounding once where HF's ops round each product and sum (less glue
+        # per step: bench/results/profile_bf16_quick.md); other dtypes and devices keep HF's
         # layout, since complex32 arithmetic is not there on every device
         self.interleaved_rope = dtype == torch.float32 or (dtype == torch.bfloat16 and device.type == "cpu")
         if self.interleaved_rope:
@@ -342,8 +340,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of final-normed ``hidden``. On the CPU a matrix above 32 MiB
         (more than 170 rows of a 49k vocabulary) is a view of a buffer the model keeps, valid until the next
-        call: as a fresh tensor it page-faulted in on every step, 12k faults and 35-70 ms of a 256-row
-        decode step's 100 ms LM head on 2 AVX-512 cores. Its rows are computed in slices below that size,
+        call: as a fresh tensor it page-faulted in on every step, a third of a 256-row decode step
+        (bench/results/profile_host3.md against profile_host3_after.md). Its rows are computed in slices below that size,
         whose outputs malloc keeps and hands out again."""
         rows = hidden.shape[0]
         slices = row_slices(rows, 4 * self.vocab_size) if self.device.type == "cpu" else None
