@@ -4,7 +4,7 @@
 #            each under a 64 MiB transfer, with its sha256, the model's config and tokenizer, and the
 #            gguf wheel; both folders are git-ignored locally (.git/info/exclude);
 #   kernels: the Triton kernels' unit tests compiled for the GPU (tests/test_kernels.py with
-#            KVPILOT_TRITON_TEST_DEVICE=cuda), then bench/kernels_gpu.py --quick: every kernel against
+#            KVPILOT_TEST_TRITON_DEVICE=cuda), then bench/kernels_gpu.py --quick: every kernel against
 #            the torch reference at real sizes, decode attention against the HBM roofline (--peak-tbps);
 #            keeps .gpu_a's half of the model in /tmp for the engine phase;
 #   engine:  bench/gpu_engine.py: greedy tokens against the CPU's, prompt logprobs against HF transformers
@@ -85,7 +85,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 
 if [ "$PHASE" = kernels ] || [ "$PHASE" = all ]; then
   if [ -f .gpu_a/model.gguf.part_a ]; then mkdir -p "$KEPT" && cp .gpu_a/model.gguf.part_a "$KEPT/"; fi
-  step triton-tests 200 env KVPILOT_TRITON_TEST_DEVICE=cuda TRITON_INTERPRET=0 \
+  step triton-tests 200 env KVPILOT_TEST_TRITON_DEVICE=cuda TRITON_INTERPRET=0 \
     "$PY" -m pytest -q -p no:cacheprovider -k test_triton_ tests/test_kernels.py
   step kernels-gpu 150 "$PY" bench/kernels_gpu.py --quick --peak-tbps "$PEAK" --out "$LOG_DIR/kernels_gpu.json"
 fi

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import sys
 import time
@@ -149,8 +148,8 @@ def prompt_logprob_parity(model: str, prompts: list[list[int]]) -> dict:
     """Max |engine - HF| over every scored prompt position, same GPU, same weights."""
     from transformers import AutoModelForCausalLM
 
+    from kvpilot.common.model_source import resolve_model_path
     from kvpilot.daemon.engine import SamplingParams
-    from kvpilot.daemon.engine.loader import resolve_model_path
 
     folder = resolve_model_path(model)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
@@ -185,8 +184,8 @@ def graphs_on_off(model: str) -> dict:
     tokens = {}
     for dtype in ("float32", "bfloat16"):
         for flag in ("0", "1"):
-            os.environ["KVPILOT_CUDA_GRAPHS"] = flag
-            llm = engine(model, device=DEVICE, dtype=dtype, max_num_seqs=64, num_kv_blocks=4096)
+            llm = engine(model, device=DEVICE, dtype=dtype, max_num_seqs=64, num_kv_blocks=4096,
+                         enforce_eager=flag == "0")
             greedy(llm, prompts[:2], 4)  # compiles the kernels
             sync()
             t0 = time.perf_counter()
@@ -201,7 +200,6 @@ def graphs_on_off(model: str) -> dict:
         same = sum(a == b for a, b in zip(tokens[dtype, "0"], tokens[dtype, "1"], strict=True))
         res[f"{dtype}_identical"] = same
         res[f"{dtype}_speedup"] = res[f"{dtype}_graphs0"]["seconds"] / res[f"{dtype}_graphs1"]["seconds"]
-    os.environ.pop("KVPILOT_CUDA_GRAPHS", None)
     res["ok"] = res["float32_identical"] == len(prompts) and res["float32_graphs1"]["captured"]
     return res
 
@@ -232,7 +230,7 @@ def hf_static(model: str, work: list[tuple[list[int], int]], batch_size: int = 1
     from throughput import bench_hf_static
     from transformers import AutoModelForCausalLM
 
-    from kvpilot.daemon.engine.loader import resolve_model_path
+    from kvpilot.common.model_source import resolve_model_path
 
     hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=torch.bfloat16).to(DEVICE).eval()
     sync()

@@ -184,6 +184,10 @@ def decode_sweep(tk, dev, batches, contexts, peak_gbps) -> list[dict]:
 def fp32_prefill_variants(tk, ref, dev) -> list[dict]:
     """float32 mixed steps (decode rows beside prefill chunks, as the engine batches them): time and error
     of each tl.dot precision and prefill block size, for SmolLM2's and Llama-8B's attention shapes."""
+    from dataclasses import replace
+
+    from kvpilot.kernels import ops
+
     gen = torch.Generator().manual_seed(5)
     rows = []
     for h, kvh, d in ((9, 3, 64), (32, 8, 128)):
@@ -194,10 +198,10 @@ def fp32_prefill_variants(tk, ref, dev) -> list[dict]:
         ql = [1] * 240 + [400] * 16
         q, bt, cl, qsl = make_batch(ctx, ql, pool, torch.float32, gen, dev, h=h, d=d)
         want = ref.paged_attention(q, kc, vc, bt, cl, qsl, d**-0.5)
-        saved = (tk.FP32_PRECISION, tk.FP32_PREFILL_BLOCK_M)
+        saved = ops.current()
         for precision in ("ieee", "tf32x3"):
             for block_m in (64, 32, 16):
-                tk.FP32_PRECISION, tk.FP32_PREFILL_BLOCK_M = precision, block_m
+                ops.configure(replace(saved, triton_fp32_precision=precision, triton_fp32_prefill_block_m=block_m))
                 row = {"heads": h, "kv_heads": kvh, "head_dim": d, "precision": precision, "block_m": block_m}
                 try:
                     run = functools.partial(tk.paged_attention, q, kc, vc, bt, cl, qsl, d**-0.5,
@@ -208,7 +212,7 @@ def fp32_prefill_variants(tk, ref, dev) -> list[dict]:
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
                 print("fp32 mixed step:", row, flush=True)
-        tk.FP32_PRECISION, tk.FP32_PREFILL_BLOCK_M = saved
+        ops.configure(saved)
         del kc, vc
     return rows
 

@@ -327,7 +327,7 @@ def run_llamacpp(work_file: Path, threads: int) -> dict[str, Any]:
     venv = ensure_venv("xllamacpp")
     import importlib.util
 
-    from kvpilot.daemon.engine.loader import BUILTIN_MODELS
+    from kvpilot.common.model_source import BUILTIN_MODELS
 
     pkg, filename = BUILTIN_MODELS["smollm2-135m"]
     spec = importlib.util.find_spec(pkg)
@@ -472,7 +472,7 @@ def main() -> None:
         Path(args.child_out).write_text(json.dumps(child(args.child, work, args.threads)))
         return
 
-    from kvpilot.daemon.engine.loader import resolve_model_path
+    from kvpilot.common.model_source import resolve_model_path
 
     model_dir = resolve_model_path(MODEL)  # the fp32 safetensors folder every HF-format peer loads
     work = make_workload(args.workload, args.seed)

@@ -537,7 +537,7 @@ def main() -> int:
     # SIGTERM unwinds like Ctrl-C, so that every started server's process group is killed on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from kvpilot.daemon.engine.loader import resolve_model_path
+    from kvpilot.common.model_source import resolve_model_path
     from kvpilot.daemon.engine.runner import cpu_threads
 
     threads = args.num_threads or cpu_threads()  # what kvpilot would pick; every peer gets the same

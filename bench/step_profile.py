@@ -108,12 +108,12 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
         timers.flops[kind] += 2.0 * x.numel() * w.shape[0]
         return out
 
-    saved = (llama.linear, llama._rms_norm, llama.kernels, cpu_native.paged_decode, cpu_native.paged_prefill,
+    saved = (llama.linear, llama._rms_norm, llama.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
              reference.attend_prefill_chunks, runner._prepare, runner.model.forward)
     llama.linear = linear
     llama._rms_norm = timers.wrap("norms", llama._rms_norm)
     attn = timers.wrap("attention_call", kernels.paged_attention)
-    llama.kernels = _Proxy(kernels, paged_attention=attn, store_kv=timers.wrap("kv_store", kernels.store_kv))
+    llama.ops = _Proxy(kernels, paged_attention=attn, store_kv=timers.wrap("kv_store", kernels.store_kv))
     cpu_native.paged_decode = timers.wrap("decode_attention", cpu_native.paged_decode)
     # prefill chunks: the C kernel where it is built (it falls back to SDPA itself), else the torch reference
     if cpu_native.available():
@@ -124,7 +124,7 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
     runner.model.forward = timers.wrap("model_forward", runner.model.forward)
 
     def restore() -> None:
-        (llama.linear, llama._rms_norm, llama.kernels, cpu_native.paged_decode, cpu_native.paged_prefill,
+        (llama.linear, llama._rms_norm, llama.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
          reference.attend_prefill_chunks, runner._prepare, runner.model.forward) = saved
         del runner.model.forward, runner._prepare  # drop the instance attributes: class methods again
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.common.tools import parse_tool_choice, parse_tools
 from kvpilot.daemon.engine import LLM, SamplingParams
 from kvpilot.daemon.engine.structured import (
     BatchMasker,
@@ -24,7 +25,7 @@ from kvpilot.daemon.engine.structured import (
     StructuredOutputSpec,
     apply_token_bitmask,
 )
-from kvpilot.daemon.tools import forced_call_spec, parse_tool_choice, parse_tools
+from kvpilot.daemon.tools import forced_call_spec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},

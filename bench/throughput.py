@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.common.model_source import resolve_model_path
 from kvpilot.daemon.engine import LLM, EngineConfig, SamplingParams
-from kvpilot.daemon.engine.loader import resolve_model_path
 from kvpilot.daemon.engine.runner import cpu_threads
 from kvpilot.daemon.engine.scheduler import Scheduler
 from kvpilot.daemon.engine.sequence import Sequence, SequenceStatus

@@ -17,34 +17,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot import sizes
+
 from .engine.config import DEFAULT_MODEL, EngineConfig
 
 __all__ = ["DEFAULT_MODEL", "ServeArgs", "add_serve_arguments", "parse_serve_args", "parse_size",
            "resolve_serve_args"]
 
 ENV_PREFIX = "KVPILOT_"
+# KVPILOT_ names that are not flags: kvpilot.paths' cache folder, and the prefixes of the test, e2e, bench
+# and operator switches. No flag may produce one (_flags checks), so such a variable never sets a flag.
+RESERVED_ENV_NAMES = frozenset({"KVPILOT_CACHE_DIR"})
+RESERVED_ENV_PREFIXES = ("KVPILOT_TEST_", "KVPILOT_E2E_", "KVPILOT_BENCH_", "KVPILOT_OPERATOR_")
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
 def parse_size(text: str | int) -> int:
-    """Bytes from '268435456', '256MiB', '1.5G' or '512Mi' (k8s style)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _SIZE_UNITS:
-            raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes, or e.g. 256MiB, 1G)")
-        value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return value
+    """Bytes from '268435456', '20Gi', '256MiB' or '1.5G': kvpilot.sizes' grammar, the CRD's too."""
+    try:
+        return sizes.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -196,7 +191,12 @@ def _engine_flags() -> tuple[_Flag, ...]:
 
 
 def _flags() -> tuple[_Flag, ...]:
-    return (*_SERVER_FLAGS, *_engine_flags())
+    flags = (*_SERVER_FLAGS, *_engine_flags())
+    for flag in flags:
+        name = env_name(flag.dest)
+        if name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES):
+            raise RuntimeError(f"flag {flag.dest!r} would be read from {name}, a name reserved for other uses")
+    return flags
 
 
 def env_name(dest: str) -> str:

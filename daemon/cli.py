@@ -1,4 +1,5 @@
-"""`kvpilot` console script: `serve`, `generate` and `operator` subcommands."""
+"""The daemon's commands, `kvpilot serve` and `kvpilot generate`. The `kvpilot` script itself (kvpilot/cli.py)
+hands them here; `python -m kvpilot.daemon.cli serve ...` runs them without it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from .args import add_serve_arguments, parse_size, resolve_serve_args
 from .engine.config import DEFAULT_MODEL
 
 
-def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The `kvpilot` parser and its `serve` subparser (which resolves flags against KVPILOT_* variables)."""
+def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The daemon's `kvpilot` parser and its `serve` subparser (which resolves flags against KVPILOT_*
+    variables)."""
     p = argparse.ArgumentParser(prog="kvpilot", description="Kubernetes-native LLM serving.")
     p.add_argument("--version", action="version", version=f"kvpilot {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -37,15 +39,11 @@ def _build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--kv-cache-memory", type=parse_size, default=None)
-    op = sub.add_parser("operator", help="run the Kubernetes operator (arguments go to it)", add_help=False)
-    op.add_argument("operator_args", nargs=argparse.REMAINDER)
-    rt = sub.add_parser("router", help="run the prefix- and load-aware router (arguments go to it)",
-                        add_help=False)
-    rt.add_argument("router_args", nargs=argparse.REMAINDER)
     return p, serve
 
 
-def _generate(ns: argparse.Namespace) -> int:
+def generate(ns: argparse.Namespace) -> int:
+    """`kvpilot generate`: one generation with the offline engine, printed."""
     from .engine.sampling_params import SamplingParams
 
     prompt = sys.stdin.read() if ns.prompt == "-" else ns.prompt
@@ -77,24 +75,18 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["operator"]:  # everything after it belongs to the operator's own parser
-        from kvpilot.operator.__main__ import main as operator_main
-
-        return operator_main(argv[1:]) or 0
-    if argv[:1] == ["router"]:  # likewise the router's
-        from kvpilot.router.cli import main as router_main
-
-        return router_main(argv[1:]) or 0
-    parser, serve_parser = _build_parser()
-    ns = parser.parse_args(argv)
+    """`serve ...` or `generate ...` (the command first, as `kvpilot` gives it)."""
+    parser, serve_parser = build_parser()
+    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if ns.command is None:
         parser.print_help()
         return 2
     if ns.command == "generate":
-        return _generate(ns)
+        return generate(ns)
     args = resolve_serve_args(ns, serve_parser)
-    from .server import serve, setup_logging
+    from kvpilot.common.log_setup import setup_logging
+
+    from .server import serve
 
     setup_logging(args.log_level)
     return asyncio.run(serve(args))

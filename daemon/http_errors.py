@@ -5,9 +5,10 @@ from __future__ import annotations
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvpilot.common.errors import APIError
+
 from .engine.input_processor import InputError
 from .errors import EngineDead, EngineNotReady, EngineQueueFull, EngineRejected
-from .protocol import APIError
 
 
 def to_api_error(exc: BaseException) -> APIError | None:

@@ -12,7 +12,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from .protocol import APIError, parse_json_body
+from kvpilot.common.errors import APIError
+from kvpilot.common.protocol import parse_json_body
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 

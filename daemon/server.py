@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import signal
 import time
@@ -14,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.common.errors import APIError
 from kvpilot.listen import start_app
 from kvpilot.version import __version__
 
@@ -21,7 +21,6 @@ from .args import ServeArgs
 from .async_engine import AsyncEngine
 from .http_errors import to_api_error
 from .metrics import CONTENT_TYPE, DaemonMetrics
-from .protocol import APIError
 from .request_log import REQUEST_LOG_FIELDS, REQUEST_STARTED_AT
 from .served_names import served_names
 from .serving import OpenAIServing
@@ -306,25 +305,3 @@ async def serve(args: ServeArgs) -> int:
         await st.engine.shutdown(timeout=5.0)
         log.info("stopped", extra={"fields": {"exit_code": code}})
     return code
-
-
-class JsonLogFormatter(logging.Formatter):
-    """One JSON object per line; `extra={"fields": {...}}` merges into it."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        obj: dict[str, Any] = {"ts": round(record.created, 3), "level": record.levelname.lower(),
-                               "logger": record.name, "msg": record.getMessage()}
-        fields = getattr(record, "fields", None)
-        if isinstance(fields, dict):
-            obj.update(fields)
-        if record.exc_info:
-            obj["exc"] = self.formatException(record.exc_info)
-        return json.dumps(obj, default=str)
-
-
-def setup_logging(level: str = "info") -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonLogFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())

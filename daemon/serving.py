@@ -17,21 +17,17 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.common.chat_template import render_chat
+from kvpilot.common.errors import APIError, invalid
+from kvpilot.common.protocol import StreamOptions
+
 from .async_engine import Aborted, Accepted, AsyncEngine, Rejected, Submission
-from .chat_template import render_chat
 from .engine.input_processor import InputError, InputProcessor
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
 from .errors import EngineDead, EngineRejected
 from .http_errors import to_api_error
-from .protocol import (
-    APIError,
-    ChatRequest,
-    StreamOptions,
-    invalid,
-    parse_chat_request,
-    parse_completion_request,
-)
+from .protocol import ChatRequest, parse_chat_request, parse_completion_request
 from .request_body import read_json_body
 from .request_log import REQUEST_LOG_FIELDS, REQUEST_STARTED_AT
 from .response_formats import ChatFormat, CompletionFormat, RequestState, ResponseFormat, sse

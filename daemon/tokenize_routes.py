@@ -15,8 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
+from kvpilot.common.errors import APIError, invalid
+from kvpilot.common.protocol import parse_chat_tools, parse_messages
+
 from .async_engine import AsyncEngine
-from .protocol import APIError, invalid, parse_chat_tools, parse_messages
 from .request_body import read_json_body
 
 MAX_DETOKENIZE_TOKENS = 1 << 20

@@ -8,7 +8,6 @@ its event loop (which serves the API emulator) is never blocked by the model.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,13 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> int:
-    os.environ.setdefault("KVPILOT_NUM_THREADS", "1")
     import workload as w
 
     from kvpilot.daemon.engine import LLM, SamplingParams
 
     llm = LLM(model=w.MODEL_URI, dtype=w.DTYPE, block_size=w.BLOCK_SIZE, max_model_len=w.MAX_MODEL_LEN,
-              max_num_seqs=len(w.all_jobs()), num_kv_blocks=len(w.all_jobs()) * 6)  # room for all at once: no preemption
+              max_num_seqs=len(w.all_jobs()), num_threads=1, num_kv_blocks=len(w.all_jobs()) * 6)  # room for all at once: no preemption
     jobs = w.all_jobs()
     outs = llm.generate([j.prompt for j in jobs],
                         [SamplingParams(temperature=0.0, max_tokens=j.max_tokens) for j in jobs], use_tqdm=False)

@@ -4,7 +4,8 @@ steps, built on first use.
 The C sources are compiled with the system C compiler for this very CPU (``-march=native``) into one
 library in kvpilot's user cache, keyed by a hash of the sources, the flags and the CPU, and loaded with
 ctypes (which releases the GIL during the call). No compiler, a failed build or
-``KVPILOT_CPU_KERNEL=0`` all mean ``available()`` is False and callers use the torch reference.
+``KernelSettings.cpu_kernels`` off (the engine's ``cpu_kernels``) all mean ``available()`` is False and
+callers use the torch reference.
 
 Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
 cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
@@ -36,9 +37,10 @@ import torch
 from kvpilot.paths import cache_dir
 
 from . import reference
+from .settings import current
 
 __all__ = [
-    "available", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
+    "available", "reset", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
     "silu_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm", "panel_gemm_max_rows", "build_error",
 ]
 
@@ -51,13 +53,9 @@ _SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC"]
-# extra compile flags, appended (part of the cache key): e.g. "-mno-avx2" builds the portable C loops that
-# CPUs without AVX2/FMA run, which is how the tests check them on a machine that has both
-_EXTRA_FLAGS_ENV = "KVPILOT_CPU_KERNEL_CFLAGS"
 _LINK_FLAGS = ["-shared", "-pthread"]
-# With OpenMP the kernel shares torch's thread pool (same libgomp.so.1) instead of starting
-# pthreads that compete with torch's spinning workers: decode steps 10-25% faster on 2 cores.
-# Without libgomp (or where linking it fails) the pthread build is used.
+# With OpenMP the kernel shares torch's thread pool (same libgomp.so.1) instead of starting pthreads that
+# compete with torch's spinning workers. Without libgomp (or where linking it fails) the pthread build is used.
 _OPENMP_FLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -75,7 +73,18 @@ _build_constants: dict[str, int] = {}  # e.g. panel_width, read from the library
 
 
 def _extra_flags() -> list[str]:
-    return os.environ.get(_EXTRA_FLAGS_ENV, "").split()
+    """KernelSettings.cpu_kernel_cflags, appended to the compile flags (and so part of the cache key)."""
+    return list(current().cpu_kernel_cflags)
+
+
+def reset() -> None:
+    """Forget the loaded library and its bound entry points, so that the next call loads (or builds) the one
+    the current settings ask for, or none when they turn the kernels off (``ops.configure`` calls this)."""
+    global _lib, _error
+    with _lock:
+        _lib, _error = None, None
+        for table in (_fns, _prefill_fns, _store_fns, _row_fns, _build_constants):
+            table.clear()
 
 
 def _cpu_signature() -> str:
@@ -127,8 +136,8 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if _lib is not None or _error is not None:
             return _lib
-        if os.environ.get("KVPILOT_CPU_KERNEL", "1").strip() == "0":
-            _error = "disabled by KVPILOT_CPU_KERNEL=0"
+        if not current().cpu_kernels:
+            _error = "disabled by the cpu_kernels setting"
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:

@@ -5,9 +5,12 @@ importable. On the CPU, float32 or bfloat16 queries over a float32, bfloat16 or 
 native kernels (``cpu_native``, built on first use: decode rows and prefill chunks in C, each reading the
 paged cache in place and computing in float32) when a C compiler is there, and everything else to the
 torch reference; ``store_kv`` of float32 rows, and of 16-bit rows into a cache of their dtype, goes to C
-as well. ``KVPILOT_ATTENTION_BACKEND=triton|cpu|torch`` forces
-one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``). Triton is
+as well. ``KernelSettings.attention_backend`` (the engine's ``attention_backend``) = triton|cpu|torch
+forces one (forcing triton on CPU tensors is how tests run it under ``TRITON_INTERPRET=1``). Triton is
 optional: it is imported on first use only.
+
+Settings: the engine calls ``configure(KernelSettings(...))`` once at start; every kernel reads
+``current()`` from then on (see ``settings``).
 
 Caller contract (every backend):
 - caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` and hold finite
@@ -25,19 +28,23 @@ Caller contract (every backend):
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
 from . import cpu_native, reference
+from . import settings as _settings
 
 # The model's native CPU steps: each returns None (or False) where it does not apply, and the caller falls
 # back to torch.
 from .cpu_native import available as native_available
 from .cpu_native import greedy_stats, pack_panels, panel_gemm, panel_gemm_max_rows, rms_norm, rope_, silu_mul
+from .settings import KernelSettings, current
 
 __all__ = [
+    "KernelSettings",
+    "configure",
+    "current",
     "store_kv",
     "paged_attention",
     "copy_blocks",
@@ -55,7 +62,6 @@ __all__ = [
     "silu_mul",
 ]
 
-_ENV = "KVPILOT_ATTENTION_BACKEND"
 _triton_mod: ModuleType | None = None
 _triton_error: Exception | None = None
 
@@ -76,18 +82,31 @@ def triton_available() -> bool:
     return _load_triton() is not None
 
 
+def configure(settings: KernelSettings) -> KernelSettings:
+    """Put ``settings`` in effect for every later kernel call and return the previous ones (a test restores
+    them with another ``configure``). A native CPU build made under other build settings is dropped, so the
+    next call builds or loads the one these ask for. Forcing triton where it cannot be imported fails here,
+    at engine start, rather than at the first step. The settings are the process's: one engine per process."""
+    if not isinstance(settings, KernelSettings):
+        raise TypeError(f"expected KernelSettings, got {type(settings).__name__}")
+    if settings.attention_backend == "triton" and _load_triton() is None:
+        raise RuntimeError(f"attention_backend='triton' but triton cannot be imported: {_triton_error}")
+    previous = _settings._set(settings)  # noqa: SLF001 - the one writer of the settings
+    if (previous.cpu_kernels, previous.cpu_kernel_cflags) != (settings.cpu_kernels, settings.cpu_kernel_cflags):
+        cpu_native.reset()
+    return previous
+
+
 def backend_for(t: torch.Tensor) -> str:
-    """'triton' or 'torch' for a call on tensor ``t`` (env var first, then the device). The CPU
-    attention choice between 'cpu' and 'torch' is ``attention_backend_for``."""
-    forced = os.environ.get(_ENV, "").strip().lower()
+    """'triton' or 'torch' for a call on tensor ``t`` (the configured backend first, then the device). The
+    CPU attention choice between 'cpu' and 'torch' is ``attention_backend_for``."""
+    forced = current().attention_backend
     if forced in ("torch", "cpu"):
         return "torch"
     if forced == "triton":
         if _load_triton() is None:
-            raise RuntimeError(f"{_ENV}=triton but triton cannot be imported: {_triton_error}")
+            raise RuntimeError(f"attention_backend='triton' but triton cannot be imported: {_triton_error}")
         return "triton"
-    if forced:
-        raise ValueError(f"{_ENV} must be 'triton', 'cpu' or 'torch', not {forced!r}")
     if t.is_cuda and _load_triton() is not None:
         return "triton"
     return "torch"
@@ -95,14 +114,14 @@ def backend_for(t: torch.Tensor) -> str:
 
 def attention_backend_for(query: torch.Tensor, k_cache: torch.Tensor) -> str:
     """'triton', 'cpu' (native decode kernel) or 'torch' for a paged_attention call."""
-    if backend_for(query) == "triton":  # also validates the variable
+    if backend_for(query) == "triton":
         return "triton"
-    forced = os.environ.get(_ENV, "").strip().lower()
+    forced = current().attention_backend
     if forced != "torch" and cpu_native.supports(query, k_cache):
         return "cpu"
     if forced == "cpu":
-        raise RuntimeError(f"{_ENV}=cpu needs float32 or bfloat16 CPU queries, a float32, bfloat16 or float16 "
-                           f"cache and a built kernel ({cpu_native.build_error() or 'unsupported tensors'})")
+        raise RuntimeError(f"attention_backend='cpu' needs float32 or bfloat16 CPU queries, a float32, bfloat16 or "
+                           f"float16 cache and a built kernel ({cpu_native.build_error() or 'unsupported tensors'})")
     return "torch"
 
 
@@ -123,7 +142,7 @@ def store_kv(
     """Scatter ``key``/``value`` ``[T, kvh, d]`` into cache slots, converted to the cache dtype; slot -1
     is skipped. In place."""
     # float32 rows on the CPU: one native pass (a slot out of range falls through to the reference's error)
-    native = k_cache.is_cpu and os.environ.get(_ENV, "").strip().lower() not in ("torch", "triton")
+    native = k_cache.is_cpu and current().attention_backend not in ("torch", "triton")
     if native and cpu_native.store_kv(key, value, k_cache, v_cache, slot_mapping):
         return
     _impl(k_cache).store_kv(key, value, k_cache, v_cache, slot_mapping)

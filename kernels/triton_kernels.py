@@ -12,19 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .settings import current
+
 __all__ = ["store_kv", "paged_attention", "copy_blocks", "swap_blocks"]
 
 _LOG2E = 1.4426950408889634
 # @triton.jit reads TRITON_INTERPRET when this module is imported; remember what it saw
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# float32 queries: how tl.dot multiplies, and the rows a prefill program takes (module attributes, read at
-# each call, so that bench/kernels_gpu.py --fp32-variants can compare them). "ieee" products run on CUDA
-# cores, and 64 float32 rows a program spill registers; "tf32x3" (three tf32 products on tensor cores) is as
-# accurate here. Measured on an H200, a step of 240 decode rows and 16 prompt chunks of 400 tokens:
-# SmolLM2's heads (9/3, d 64) 11.4 ms with ieee and 64 rows, 0.47 ms ieee/16, 0.22 ms tf32x3/32; Llama-8B's
-# (32/8, d 128) 64 ms, 2.9 ms, 1.2 ms; largest error against the reference at most 1.5e-6 and 3.1e-6 in all.
-FP32_PRECISION = os.environ.get("KVPILOT_TRITON_FP32_PRECISION", "tf32x3")
-FP32_PREFILL_BLOCK_M = int(os.environ.get("KVPILOT_TRITON_FP32_BLOCK_M", "32"))
+# float32 queries: how tl.dot multiplies and the rows a prefill program takes come from KernelSettings
+# (triton_fp32_precision, triton_fp32_prefill_block_m), read at each call. "ieee" products run on CUDA cores
+# and 64 float32 rows a program spill registers; "tf32x3" (three tf32 products on tensor cores) with 32 rows
+# is as accurate and far faster: bench/results/kernels_gpu_fp32_variants_h200.json.
 
 
 def _next_pow2(n: int) -> int:
@@ -292,10 +290,12 @@ def _reduce_splits_kernel(
 
 
 def _fp32_precision(device: torch.device) -> str:
-    """FP32_PRECISION where the GPU has tf32 tensor cores (compute capability 8.0 on), else exact products."""
-    if FP32_PRECISION.startswith("tf32") and _capability(device.index or 0) < (8, 0):
+    """The configured float32 precision where the GPU has tf32 tensor cores (compute capability 8.0 on), else
+    exact products."""
+    precision = current().triton_fp32_precision
+    if precision.startswith("tf32") and _capability(device.index or 0) < (8, 0):
         return "ieee"
-    return FP32_PRECISION
+    return precision
 
 
 @functools.cache
@@ -352,7 +352,7 @@ def paged_attention(
     d_p2 = _next_pow2(d)
     # one configuration for GPU and interpreter, so that the tests cover what the GPU runs
     tile_n = max(bs, 64 if d_p2 <= 128 else 32)
-    # float32 queries want float32-accurate products (plain tf32 would lose ~3 digits): see FP32_PRECISION;
+    # float32 queries want float32-accurate products (plain tf32 would lose ~3 digits): see _fp32_precision;
     # ignored for 16-bit inputs. The interpreter multiplies exactly.
     fp32 = query.dtype == torch.float32
     precision = "ieee" if _INTERPRET else _fp32_precision(query.device) if fp32 else "tf32"
@@ -367,7 +367,7 @@ def paged_attention(
         grid = (b, splits, kvh)
     else:
         splits = 1
-        block_m = max(FP32_PREFILL_BLOCK_M if fp32 else 64, _next_pow2(group), 16)
+        block_m = max(current().triton_fp32_prefill_block_m if fp32 else 64, _next_pow2(group), 16)
         block_q = block_m // group
         grid = (b, triton.cdiv(max_query_len, block_q), kvh)
 

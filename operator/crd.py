@@ -15,6 +15,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from kvpilot import sizes
 from kvpilot.operator import resources
 
 CRD_RESOURCE = "inferencedeployment-crd.yaml"
@@ -105,6 +106,13 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
     if uri and not URI_RE.match(uri):
         errors.append("model.uri must start with hf://, pvc://claim/, builtin:// or file:///")
     errors += router_rule_errors(spec)
+    e = spec.get("engine") or {}
+    if isinstance(e.get("gpuMemoryUtilization"), int | float) and not e["gpuMemoryUtilization"] > 0.0:
+        errors.append("engine.gpuMemoryUtilization must be in (0, 1]")
+    # The schema's pattern is the daemon's grammar, but Python's $ also passes "20Gi\n", which the API
+    # server's RE2 and the daemon refuse: ask the daemon's own parser.
+    if isinstance(e.get("kvCacheMemory"), str) and not sizes.is_size(e["kvCacheMemory"]):
+        errors.append(f"engine.kvCacheMemory is not a size: {e['kvCacheMemory']!r}")
     a = spec.get("autoscaling", {})
     try:
         if a["minReplicas"] > a["maxReplicas"]:

@@ -118,8 +118,12 @@ def daemon_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
         args += ["--max-model-len", str(e["maxModelLen"])]
     if e.get("longPrefillTokenThreshold") is not None:  # 0 (no cap) is a value the user may write
         args += ["--long-prefill-token-threshold", str(e["longPrefillTokenThreshold"])]
+    if e.get("kvCacheDtype"):
+        args += ["--kv-cache-dtype", e["kvCacheDtype"]]
     if e.get("kvCacheMemory"):
         args += ["--kv-cache-memory", e["kvCacheMemory"]]
+    if e.get("gpuMemoryUtilization") is not None:
+        args += ["--gpu-memory-utilization", str(e["gpuMemoryUtilization"])]
     if e.get("maxQueuedRequests"):
         args += ["--max-queued-requests", str(e["maxQueuedRequests"])]
     if spec.get("apiKeySecret"):

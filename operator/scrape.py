@@ -1,4 +1,5 @@
-"""Concurrent scrape of the daemons' and the routers' /metrics, parsed with prometheus_client's text parser."""
+"""Concurrent scrape of the daemons' and the routers' /metrics. The daemons' pages are read by
+kvpilot.common.metrics_text (as the router reads them); the routers' by parse_router_metrics here."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.common.metrics_text import ScrapeError, parse_metrics, sample_values
 from kvpilot.operator.autoscaler import Observation, PodSample, RouterSample
 
 log = logging.getLogger(__name__)
@@ -20,19 +21,9 @@ S = TypeVar("S")  # a sample type: PodSample or RouterSample
 METRICS_PORT_ANNOTATION = "kvpilot.io/metrics-port"
 METRICS_PATH_ANNOTATION = "kvpilot.io/metrics-path"
 
-DEFAULT_NAMES = {
-    "kvCacheUsage": "vllm:kv_cache_usage_perc",
-    "waitingRequests": "vllm:num_requests_waiting",
-    "runningRequests": "vllm:num_requests_running",
-}
-
 # The router's own series (router/metrics.py): fixed, since the operator deploys that router itself.
 ROUTER_HELD = "kvpilot:router_held_requests"
 ROUTER_INFLIGHT = "kvpilot:router_endpoint_inflight"
-
-
-class ScrapeError(Exception):
-    pass
 
 
 @dataclass(frozen=True)
@@ -41,43 +32,23 @@ class Target:
     url: str  # http://ip:port/metrics
 
 
-def parse_metrics(text: str, names: dict[str, str]) -> PodSample:
+def parse_pod_metrics(text: str, names: dict[str, str]) -> PodSample:
     """One pod's page -> a sample. A missing KV or waiting series is an error, never zero load."""
-    values: dict[str, list[float]] = {}
-    wanted = set(names.values())
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in wanted:
-                values.setdefault(s.name, []).append(float(s.value))
-    missing = [names[k] for k in ("kvCacheUsage", "waitingRequests") if names[k] not in values]
-    if missing:
-        raise ScrapeError(f"series missing: {', '.join(missing)}")
-    # A pod serves one model; several series (label sets) are summed, KV usage takes the fullest.
-    return PodSample(
-        kv_cache_usage=max(values[names["kvCacheUsage"]]),
-        waiting=sum(values[names["waitingRequests"]]),
-        running=sum(values.get(names.get("runningRequests", ""), [0.0])),
-    )
+    load = parse_metrics(text, names)
+    return PodSample(kv_cache_usage=load.kv_cache_usage, waiting=load.waiting, running=load.running)
 
 
 def parse_router_metrics(text: str) -> RouterSample:
     """One router's page. The held gauge is always there; in-flight has a series per endpoint once used."""
-    held: list[float] = []
-    inflight = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == ROUTER_HELD:
-                held.append(float(s.value))
-            elif s.name == ROUTER_INFLIGHT:
-                inflight += float(s.value)
-    if not held:
+    values = sample_values(text, (ROUTER_HELD, ROUTER_INFLIGHT))
+    if ROUTER_HELD not in values:
         raise ScrapeError(f"series missing: {ROUTER_HELD}")
-    return RouterSample(held=sum(held), inflight=inflight)
+    return RouterSample(held=sum(values[ROUTER_HELD]), inflight=sum(values.get(ROUTER_INFLIGHT, []), 0.0))
 
 
 async def scrape_one(session: aiohttp.ClientSession, target: Target, names: dict[str, str],
                      timeout: float) -> PodSample:
-    return await fetch(session, target, timeout, lambda text: parse_metrics(text, names))
+    return await fetch(session, target, timeout, lambda text: parse_pod_metrics(text, names))
 
 
 async def fetch(session: aiohttp.ClientSession, target: Target, timeout: float, parse: Callable[[str], T]) -> T:

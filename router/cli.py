@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(ns)
     except ValueError as exc:
         parser.error(str(exc))
-    from kvpilot.daemon.server import setup_logging  # the daemon's JSON log lines
+    from kvpilot.common.log_setup import setup_logging  # JSON log lines, as the daemon's
 
     setup_logging(ns.log_level)
     return asyncio.run(serve(settings))

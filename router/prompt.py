@@ -1,7 +1,7 @@
 """Request body -> prompt token ids -> the engine's block-hash chain, the key of prefix affinity.
 
 The token ids must be the daemon's: the same tokenizer, the same chat template rendered with the same
-tools (kvpilot.daemon.chat_template, as daemon/serving.py), the same special-token rules. A body the
+tools (kvpilot.common.chat_template, as daemon/serving.py), the same special-token rules. A body the
 daemon would reject yields no hashes; the router then routes on load alone and lets the daemon answer the error.
 
 Two stages, because they cost differently: `prompt_input` (parse the body, render the chat template) is
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpilot.block_hash import hash_prompt_blocks
-from kvpilot.daemon.chat_template import render_chat
-from kvpilot.daemon.protocol import APIError, parse_chat_request
+from kvpilot.common.chat_template import render_chat
+from kvpilot.common.errors import APIError
+from kvpilot.common.protocol import parse_chat_body
 
 
 class Tokenizer(Protocol):
@@ -44,8 +45,8 @@ def load_tokenizer(model: str) -> Tokenizer:
     """The model's tokenizer (a model URI as `kvpilot serve` takes it); '' or 'bytes' gives ByteTokenizer."""
     if model in ("", "bytes"):
         return ByteTokenizer()
-    from kvpilot.daemon.engine.loader import resolve_model_path  # converts builtin:// once, cached
-    from kvpilot.daemon.engine.model_files import load_tokenizer as load_model_tokenizer
+    from kvpilot.common.model_source import resolve_model_path  # converts builtin:// once, cached
+    from kvpilot.common.tokenizer import load_tokenizer as load_model_tokenizer
 
     return load_model_tokenizer(resolve_model_path(model))
 
@@ -149,8 +150,8 @@ class PromptHasher:
         # auto_tool_choice: the template does not depend on tool_choice, and whether the daemons take "auto"
         # is theirs to say; parsed strictly, every "auto" request would lose its affinity. Constraints
         # (response_format, forced tool calls) do not change the prompt either, and parsing them would load
-        # xgrammar and torch on the event loop: the daemon checks them.
-        req = parse_chat_request(body, auto_tool_choice=True, constraints=False)
+        # xgrammar and torch on the event loop: the daemon checks them (common's parse leaves them out).
+        req = parse_chat_body(body, auto_tool_choice=True)
         text = render_chat(self.tokenizer, req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message)
         if not isinstance(text, str):

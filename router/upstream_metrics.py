@@ -1,6 +1,7 @@
 """Periodic scrape of each replica's /metrics (KV usage, waiting, running), kept with its age.
 
-The parsing is the operator's (operator/scrape.py), so both read the daemons the same way.
+The parsing is kvpilot.common.metrics_text's, as the operator's (operator/scrape.py): both read the daemons
+the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvpilot.operator.scrape import DEFAULT_NAMES, ScrapeError, parse_metrics
+from kvpilot.common.metrics_text import DEFAULT_NAMES, ScrapeError, parse_metrics
 
 from .endpoints import Endpoint, EndpointSet
 

@@ -92,3 +92,38 @@ def test_bad_generated_flags_exit_2(argv):
     with pytest.raises(SystemExit) as ei:
         parse_serve_args(argv, environ={})
     assert ei.value.code == 2
+
+
+def test_kernel_and_host_settings_are_flags_and_env_vars():
+    a = parse_serve_args(["--attention-backend", "torch", "--enforce-eager", "--no-cpu-kernel", "--num-threads", "2"],
+                         environ={"KVPILOT_SMALL_BATCH_GEMM": "0", "KVPILOT_POPULATE_KV": "0",
+                                  "KVPILOT_PREPACK_WEIGHTS": "false", "KVPILOT_MALLOC_TUNING": "off",
+                                  "KVPILOT_ATTENTION_BACKEND": "cpu"})
+    cfg = a.engine_config()
+    assert (cfg.attention_backend, cfg.enforce_eager, cfg.cpu_kernel, cfg.num_threads) == ("torch", True, False, 2)
+    assert (cfg.small_batch_gemm, cfg.populate_kv, cfg.prepack_weights, cfg.malloc_tuning) == (False, False, False, False)
+    auto = parse_serve_args([], environ={}).engine_config()
+    assert (auto.attention_backend, auto.enforce_eager, auto.small_batch_gemm, auto.num_threads) == \
+        ("auto", False, None, None)
+    assert parse_serve_args(["--small-batch-gemm"], environ={}).engine_config().small_batch_gemm is True
+
+
+@pytest.mark.parametrize("env", [{"KVPILOT_ATTENTION_BACKEND": "cuda"}, {"KVPILOT_NUM_THREADS": "0"},
+                                 {"KVPILOT_ENFORCE_EAGER": "sometimes"}])
+def test_bad_kernel_settings_exit_naming_the_variable(env, capsys):
+    with pytest.raises(SystemExit) as ei:
+        parse_serve_args([], environ=env)
+    assert ei.value.code == 2
+    assert next(iter(env)) in capsys.readouterr().err
+
+
+def test_reserved_variables_set_no_flag(monkeypatch):
+    # KVPILOT_TEST_*, KVPILOT_CACHE_DIR and the like are not flags: a flag that would read one is refused
+    from kvpilot.daemon import args as args_module
+
+    env = {"KVPILOT_CACHE_DIR": "/tmp/x", "KVPILOT_TEST_CPU_KERNEL_CFLAGS": "-mno-avx2"}
+    assert parse_serve_args([], environ=env).engine_config() == EngineConfig()
+    clash = args_module._Flag("test_switch", "server", {"help": "?"})
+    monkeypatch.setattr(args_module, "_SERVER_FLAGS", (*args_module._SERVER_FLAGS, clash))
+    with pytest.raises(RuntimeError, match="KVPILOT_TEST_SWITCH"):
+        parse_serve_args([], environ={})

@@ -13,7 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.daemon.protocol import APIError, parse_chat_request, parse_completion_request, parse_json_body
+from kvpilot.common.errors import APIError
+from kvpilot.common.protocol import parse_json_body
+from kvpilot.daemon.protocol import parse_chat_request, parse_completion_request
 from kvpilot.daemon.request_body import decode_json_body, find_unpaired_surrogate
 from kvpilot.daemon.tokenize_routes import parse_detokenize_request, parse_tokenize_request
 from support.daemon_process import DaemonProcess

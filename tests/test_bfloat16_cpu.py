@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpilot.common.model_source import resolve_model_path
 from kvpilot.daemon.engine import LLM, SamplingParams
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.loader import load_model, resolve_model_path
+from kvpilot.daemon.engine.loader import load_model
 from kvpilot.daemon.engine.runner import ModelRunner, SeqBatchEntry
 from kvpilot.kernels import cpu_native
 from kvpilot.kernels import ops as kernels

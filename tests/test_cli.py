@@ -1,4 +1,5 @@
-"""The `kvpilot` console script (cli.py): the installed script, serve and generate, operator delegation."""
+"""The `kvpilot` console script (kvpilot/cli.py): the installed script, serve and generate (the daemon's
+kvpilot.daemon.cli), router and operator delegation."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "kvpilot.daemon.cli"]
+CLI = [sys.executable, "-m", "kvpilot"]
 ENV = dict(os.environ)
 
 

@@ -266,6 +266,10 @@ PICKER = {"name": "epp", "port": {"number": 9002}}
                                                           "endpointPickerRef": PICKER}}, "minReplicas 0 needs"),
     ("ok", {"router": {"enabled": True, "mode": "inferencePool"}}, "endpointPickerRef is required"),
     ("ok", {"router": {"enabled": True, "mode": "inferencePool", "endpointPickerRef": PICKER}}, None),
+    ("ok", {"engine": {"gpuMemoryUtilization": 0.0}}, "engine.gpuMemoryUtilization must be in (0, 1]"),
+    ("ok", {"engine": {"gpuMemoryUtilization": 0}}, "engine.gpuMemoryUtilization must be in (0, 1]"),
+    ("ok", {"engine": {"gpuMemoryUtilization": 1}}, None),
+    ("ok", {"engine": {"gpuMemoryUtilization": 0.05}}, None),
 ])
 def test_cel_rules_and_the_operators_python_mirror_agree(name, patch, message):
     spec = crd.default_spec({"model": {"uri": "hf://org/m"}})
@@ -327,6 +331,12 @@ def test_model_uri_is_immutable():
     ({"router": {"affinity": {"nodeAfinity": {}}}}, "'nodeAfinity' was unexpected"),
     ({"router": {"affinity": {"nodeAffinity": []}}}, "spec.router.affinity.nodeAffinity"),
     ({"enginee": {}}, "'enginee' was unexpected"),
+    ({"engine": {"kvCacheMemory": "0Gi"}}, "spec.engine.kvCacheMemory"),
+    ({"engine": {"kvCacheMemory": "512m"}}, "spec.engine.kvCacheMemory"),
+    ({"engine": {"kvCacheMemory": 1024}}, "spec.engine.kvCacheMemory"),
+    ({"engine": {"kvCacheDtype": "int8"}}, "spec.engine.kvCacheDtype"),
+    ({"engine": {"gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine": {"gpuMemoryUtilization": "0.9"}}, "spec.engine.gpuMemoryUtilization"),
 ])
 def test_schema_rejects_bad_values(patch, fragment):
     spec = {"model": {"uri": "hf://org/m"}, **patch}

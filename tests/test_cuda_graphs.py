@@ -32,9 +32,7 @@ def test_bucket_out_of_range() -> None:
     assert bucket_for(5, []) is None
 
 
-def test_off_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_on_cpu_and_with_enforce_eager() -> None:
     assert not cuda_graphs.enabled(torch.device("cpu"))
-    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "0")
-    assert not cuda_graphs.enabled(torch.device("cuda"))
-    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "1")
+    assert not cuda_graphs.enabled(torch.device("cuda"), enforce_eager=True)
     assert cuda_graphs.enabled(torch.device("cuda"))

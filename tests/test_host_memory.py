@@ -40,8 +40,7 @@ def fresh_zeros(nbytes: int) -> np.ndarray:
     return np.frombuffer(m, dtype=np.uint8)
 
 
-def test_populate_maps_every_page_and_keeps_contents(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KVPILOT_POPULATE_KV", raising=False)
+def test_populate_maps_every_page_and_keeps_contents() -> None:
     bufs = [fresh_zeros(24 << 20), fresh_zeros(40 << 20)]
     bufs[0][5 * PAGE + 3] = 7  # written before the thread runs: must survive it
     before = [resident_pages(b.ctypes.data, b.nbytes) for b in bufs]
@@ -60,20 +59,17 @@ def test_populate_maps_every_page_and_keeps_contents(monkeypatch: pytest.MonkeyP
     assert int(bufs[0].sum()) == 7 and int(bufs[1].sum()) == 9  # nothing else was written
 
 
-def test_populate_off_by_env_or_when_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVPILOT_POPULATE_KV", "0")
+def test_populate_off_when_disabled_or_empty() -> None:
     buf = fresh_zeros(8 << 20)
-    assert host_malloc.PagePopulation.start([(buf.ctypes.data, buf.nbytes)]) is None
+    assert host_malloc.PagePopulation.start([(buf.ctypes.data, buf.nbytes)], enabled=False) is None
     res, total = resident_pages(buf.ctypes.data, buf.nbytes)
     assert res < total // 2
-    monkeypatch.delenv("KVPILOT_POPULATE_KV")
     assert host_malloc.PagePopulation.start([]) is None
 
 
-def test_population_maps_the_lowest_offsets_first_and_pauses_while_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_population_maps_the_lowest_offsets_first_and_pauses_while_busy() -> None:
     # A server waits for the first blocks only, then maps the rest in its idle time: wait(n) must mean
     # the first n bytes of every buffer, and a busy engine must hold the thread back.
-    monkeypatch.delenv("KVPILOT_POPULATE_KV", raising=False)
     bufs = [fresh_zeros(256 << 20), fresh_zeros(256 << 20)]
     busy = True
     population = host_malloc.PagePopulation.start([(b.ctypes.data, b.nbytes) for b in bufs])
@@ -99,11 +95,10 @@ def test_population_maps_the_lowest_offsets_first_and_pauses_while_busy(monkeypa
         assert res == total, (res, total)
 
 
-def test_engine_kv_cache_is_resident_after_start(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_kv_cache_is_resident_after_start() -> None:
     """The engine starts the thread over every layer's K and V cache (the test suite switches it off
     elsewhere, to keep test engines' caches lazily mapped)."""
-    monkeypatch.setenv("KVPILOT_POPULATE_KV", "1")
-    llm = LLM(model="builtin://smollm2-135m", num_kv_blocks=512)
+    llm = LLM(model="builtin://smollm2-135m", num_kv_blocks=512, populate_kv=True)
     runner = llm.engine.runner
     assert runner.kv_population is not None
     assert runner.kv_population.wait(timeout=60)
@@ -127,8 +122,6 @@ async def test_a_server_is_ready_once_its_first_kv_blocks_are_mapped(monkeypatch
     from kvpilot.daemon.engine import LLMEngine
     from kvpilot.daemon.engine.config import EngineConfig
 
-    monkeypatch.delenv("KVPILOT_POPULATE_KV", raising=False)
-    monkeypatch.setenv("KVPILOT_NUM_THREADS", "1")
     real_run = host_malloc.PagePopulation._run
     release = threading.Event()
 
@@ -145,7 +138,8 @@ async def test_a_server_is_ready_once_its_first_kv_blocks_are_mapped(monkeypatch
         built.append(LLMEngine(config))
         return built[-1]
 
-    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, kv_cache_memory=64 << 20)
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, kv_cache_memory=64 << 20, populate_kv=True,
+                          num_threads=1)
     engine = AsyncEngine(config, ready_before_kv_cache_mapped=ready_before_mapped, engine_factory=factory)
     started = time.monotonic()
     await engine.start()

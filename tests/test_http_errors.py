@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvpilot.common.errors import APIError
 from kvpilot.daemon.engine.input_processor import ContextLengthExceeded, TokenOutOfVocab
 from kvpilot.daemon.errors import EngineDead, EngineNotReady, EngineQueueFull, EngineRejected
 from kvpilot.daemon.http_errors import to_api_error
-from kvpilot.daemon.protocol import APIError
 
 
 @pytest.mark.parametrize("exc,status,code,headers", [

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,6 +17,20 @@ import torch
 
 from kvpilot.kernels import ops as K
 from kvpilot.kernels import reference as R
+
+# test_narrower_builds_pass_the_kernel_tests runs this file in a child with the library built with extra
+# flags: a test-only variable (KVPILOT_TEST_* is no flag's), turned into the kernels' setting here
+if _test_cflags := os.environ.get("KVPILOT_TEST_CPU_KERNEL_CFLAGS", "").split():
+    K.configure(replace(K.current(), cpu_kernel_cflags=tuple(_test_cflags)))
+
+
+@pytest.fixture
+def kernel_settings() -> Iterator[Callable[..., None]]:
+    """``kernel_settings(attention_backend="torch", ...)`` puts those kernel settings in effect, as an engine
+    configured so would; the test's end restores the ones before."""
+    before = K.current()
+    yield lambda **changes: K.configure(replace(before, **changes))
+    K.configure(before)
 
 # --------------------------------------------------------------------------------------- helpers
 
@@ -334,32 +349,31 @@ def test_reference_copy_and_swap_blocks():
 # --------------------------------------------------------------------------------------- dispatch
 
 
-def test_dispatch_backend_choice(monkeypatch):
+def test_dispatch_backend_choice(kernel_settings):
     cpu = torch.zeros(1)
-    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+    kernel_settings(attention_backend="auto")
     assert K.backend_for(cpu) == "torch"
-    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "torch")
+    kernel_settings(attention_backend="torch")
     assert K.backend_for(cpu) == "torch"
-    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "cuda")
-    with pytest.raises(ValueError):
-        K.backend_for(cpu)
+    with pytest.raises(ValueError, match="attention_backend"):
+        K.KernelSettings(attention_backend="cuda")
 
 
-def test_dispatch_without_triton(monkeypatch):
+def test_dispatch_without_triton(monkeypatch, kernel_settings):
     # as if triton were not installed: CPU work still runs, forcing triton says why it cannot
     monkeypatch.setattr(K, "_triton_mod", None)
     monkeypatch.setattr(K, "_triton_error", ImportError("No module named 'triton'"))
-    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+    kernel_settings(attention_backend="auto")
     assert not K.triton_available()
     case = make_case([5], [5], kvh=1, group=2, d=64, bs=16, dtype=torch.float32, seed=8, fill=0.0)
     assert_close(K.paged_attention(*case.args()), dense_batch(case), torch.float32)
-    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "triton")
-    with pytest.raises(RuntimeError, match="triton cannot be imported"):
-        K.paged_attention(*case.args())
+    with pytest.raises(RuntimeError, match="triton cannot be imported"):  # at engine start, not at a step
+        kernel_settings(attention_backend="triton")
+    assert K.current().attention_backend == "auto"
 
 
-def test_dispatch_torch_matches_reference(monkeypatch):
-    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "torch")
+def test_dispatch_torch_matches_reference(kernel_settings):
+    kernel_settings(attention_backend="torch")
     case = make_case(*mixed_lens(16), kvh=2, group=3, d=64, bs=16, dtype=torch.float32, seed=5, fill=0.0)
     assert_close(K.paged_attention(*case.args()), dense_batch(case), torch.float32)
 
@@ -516,17 +530,17 @@ def test_native_cpu_prefill_wide_groups_fall_back_to_sdpa(monkeypatch):
 
 
 @needs_cc
-def test_dispatch_picks_native_cpu_for_float32_and_bfloat16(monkeypatch):
-    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+def test_dispatch_picks_native_cpu_for_float32_and_bfloat16(kernel_settings):
+    kernel_settings(attention_backend="auto")
     f32 = make_case([20], [1], kvh=1, group=2, d=64, bs=16, dtype=torch.float32, seed=3, fill=0.0)
     bf16 = make_case([20], [1], kvh=1, group=2, d=64, bs=16, dtype=torch.bfloat16, seed=3, fill=0.0)
     fp16 = make_case([20], [1], kvh=1, group=2, d=64, bs=16, dtype=torch.float16, seed=3, fill=0.0)
     assert K.attention_backend_for(f32.query, f32.k_cache) == "cpu"
     assert K.attention_backend_for(bf16.query, bf16.k_cache) == "cpu"  # a bfloat16 model: widened queries
     assert K.attention_backend_for(fp16.query, fp16.k_cache) == "torch"  # float16 queries: the reference
-    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "torch")
+    kernel_settings(attention_backend="torch")
     assert K.attention_backend_for(f32.query, f32.k_cache) == "torch"
-    monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "cpu")
+    kernel_settings(attention_backend="cpu")
     assert_close(K.paged_attention(*f32.args()), dense_batch(f32), torch.float32)
     got = K.paged_attention(*bf16.args())
     assert got.dtype == torch.bfloat16
@@ -663,10 +677,10 @@ def test_native_cpu_float16_cache_ragged_and_threads(monkeypatch):
 
 
 @needs_cc
-def test_dispatch_picks_native_cpu_for_float16_caches(monkeypatch):
+def test_dispatch_picks_native_cpu_for_float16_caches(kernel_settings):
     from kvpilot.kernels import cpu_native
 
-    monkeypatch.delenv("KVPILOT_ATTENTION_BACKEND", raising=False)
+    kernel_settings(attention_backend="auto")
     f32 = make_case([20, 40], [1, 1], kvh=1, group=2, d=64, bs=16, dtype=torch.float32, seed=3, fill=0.0)
     bf16 = as_cache(f32, torch.bfloat16)
     if torch.float16 in cpu_native.cache_dtypes():
@@ -691,14 +705,15 @@ def _python_with_cache(code: str, cache: Path, *args: str, **env: str) -> subpro
 
 @needs_cc
 def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
-    # what a clean machine does on first use: compile, cache, load; KVPILOT_CPU_KERNEL=0 opts out
+    # what a clean machine does on first use: compile, cache, load; the cpu_kernels setting off opts out
     code = (
-        "import pathlib, sys; from kvpilot.kernels import cpu_native as c; "
+        "import pathlib, sys; from kvpilot.kernels import cpu_native as c, ops; "
+        "sys.argv[2:] and ops.configure(ops.KernelSettings(cpu_kernels=False)); "
         "print(c.available(), len(list(pathlib.Path(sys.argv[1]).glob('kernels/*.so'))), c.build_error())"
     )
     r = _python_with_cache(code, tmp_path, str(tmp_path))
     assert r.stdout.split()[:2] == ["True", "1"], r.stdout + r.stderr
-    r = _python_with_cache(code, tmp_path, str(tmp_path), KVPILOT_CPU_KERNEL="0")
+    r = _python_with_cache(code, tmp_path, str(tmp_path), "off")
     assert r.stdout.startswith("False 1 disabled"), r.stdout + r.stderr
 
 
@@ -725,7 +740,7 @@ def test_narrower_builds_pass_the_kernel_tests(tmp_path, flags, dropped):
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native and not narrower"],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent,
-        env=dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), KVPILOT_CPU_KERNEL_CFLAGS=flags),
+        env=dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), KVPILOT_TEST_CPU_KERNEL_CFLAGS=flags),
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout
@@ -750,15 +765,14 @@ def test_loading_the_native_kernel_keeps_subnormal_floats(tmp_path):
 # @triton.jit (triton's own library included) reads TRITON_INTERPRET when triton is imported, which
 # in a pytest session may already have happened. So these tests run in a fresh interpreter that has
 # the variable from the start: a normal run spawns it; that child defines and runs test_triton_*.
-# With KVPILOT_TRITON_TEST_DEVICE=cuda the same tests run the compiled kernels on a GPU instead: each
+# With KVPILOT_TEST_TRITON_DEVICE=cuda the same tests run the compiled kernels on a GPU instead: each
 # call gets device copies of its CPU arguments (strides kept) and in-place results are copied back.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-TRITON_TEST_DEVICE = os.environ.get("KVPILOT_TRITON_TEST_DEVICE", "").strip()
+TRITON_TEST_DEVICE = os.environ.get("KVPILOT_TEST_TRITON_DEVICE", "").strip()
 
 
 def _triton_child(env_update: dict[str, str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, **env_update)
-    env.pop("KVPILOT_ATTENTION_BACKEND", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_triton_", __file__]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
@@ -771,14 +785,14 @@ if not (INTERPRETED or TRITON_TEST_DEVICE):
         # through_copies: the same tests through OnDevice on CPU copies, which checks the copying that a
         # compiled run on a GPU relies on
         pytest.importorskip("triton")
-        r = _triton_child({"TRITON_INTERPRET": "1", **({"KVPILOT_TRITON_TEST_DEVICE": "cpu"} if through_copies else {})})
+        r = _triton_child({"TRITON_INTERPRET": "1", **({"KVPILOT_TEST_TRITON_DEVICE": "cpu"} if through_copies else {})})
         assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
         assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton kernels need a CUDA GPU")
     def test_kernels_compiled_on_cuda():
         pytest.importorskip("triton")
-        r = _triton_child({"TRITON_INTERPRET": "0", "KVPILOT_TRITON_TEST_DEVICE": "cuda"})
+        r = _triton_child({"TRITON_INTERPRET": "0", "KVPILOT_TEST_TRITON_DEVICE": "cuda"})
         assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
         assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 
@@ -834,7 +848,7 @@ def tk():
         return OnDevice(mod, "cuda")
     # fail loudly rather than test compiled kernels on CPU tensors (or crash inside them)
     assert mod._INTERPRET and type(tl.standard.cdiv).__name__ == "InterpretedFunction"
-    # KVPILOT_TRITON_TEST_DEVICE=cpu: the interpreter through OnDevice's copies (checks the copying itself)
+    # KVPILOT_TEST_TRITON_DEVICE=cpu: the interpreter through OnDevice's copies (checks the copying itself)
     return OnDevice(mod, "cpu") if TRITON_TEST_DEVICE == "cpu" else mod
 
 
@@ -960,15 +974,15 @@ def test_triton_copy_blocks(tk):
     assert torch.equal(ks[1][3], ks[1][0]) and not torch.equal(ks[1][3], ks[1][1])
 
 
-def test_triton_dispatch_forced(tk, monkeypatch):
+def test_triton_dispatch_forced(tk, kernel_settings):
     case = make_case([17, 5], [1, 5], kvh=1, group=3, d=64, bs=16, dtype=torch.float32, seed=6)
     if isinstance(tk, OnDevice) and tk.device.type == "cuda":
-        # on a GPU no variable is needed: CUDA tensors go to Triton
+        # on a GPU no setting is needed: CUDA tensors go to Triton
         args = [a.to("cuda") if isinstance(a, torch.Tensor) else a for a in case.args()]
         assert K.attention_backend_for(args[0], args[1]) == "triton"
         got = K.paged_attention(*args).cpu()
     else:
-        monkeypatch.setenv("KVPILOT_ATTENTION_BACKEND", "triton")
+        kernel_settings(attention_backend="triton")
         assert K.backend_for(torch.zeros(1)) == "triton"
         got = K.paged_attention(*case.args())  # NaN outside contexts: only Triton survives that
     assert not got.isnan().any()

@@ -4,6 +4,10 @@ malloc settings."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -19,12 +23,25 @@ from kvpilot.daemon.engine.models.linear import (
 )
 from kvpilot.daemon.engine.models.llama import _rotate, interleave_rope_rows, rope_inv_freq
 from kvpilot.daemon.engine.runner import SeqBatchEntry
-from kvpilot.kernels import cpu_native
+from kvpilot.kernels import cpu_native, ops
 
 MODEL = "builtin://smollm2-135m"
 needs_onednn = pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32),
                                   reason="oneDNN is not in this torch build")
 needs_native = pytest.mark.skipif(not cpu_native.available(), reason="no C compiler for the native CPU kernels")
+
+
+@pytest.fixture(autouse=True)
+def restore_kernel_settings() -> Iterator[None]:
+    """Engines built here configure the kernels' process-wide settings: leave the next test the defaults."""
+    before = ops.current()
+    yield
+    ops.configure(before)
+
+
+def switch(**changes: object) -> None:
+    """Kernel settings for the calls that follow, as an engine with these config fields would put them."""
+    ops.configure(replace(ops.current(), **changes))
 
 
 @needs_onednn
@@ -59,12 +76,12 @@ def test_prepacked_bfloat16_linear_matches_f_linear(rows: int) -> None:
     torch.testing.assert_close(linear(x, packed, residual=residual), residual + plain, rtol=1.6e-2, atol=2e-2)
 
 
-def test_prepack_is_off_where_unsupported(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepack_is_off_where_unsupported() -> None:
     # bfloat16 only where oneDNN has bfloat16 kernels for this CPU
     assert prepack_supported(torch.device("cpu"), torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert not prepack_supported(torch.device("cpu"), torch.float16)
     assert not prepack_supported(torch.device("cuda"), torch.float32)
-    monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
+    switch(prepack_weights=False)
     assert not prepack_supported(torch.device("cpu"), torch.float32)
 
 
@@ -107,20 +124,17 @@ def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 @needs_onednn
-def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepacked_model_matches_dense_model() -> None:
     # a step above the panels' row limit: oneDNN's packed weights compute it, with the panels kept beside
     # them (written into the dense weights' memory after oneDNN took its copy, which this checks too)
-    if cpu_native.available():
-        monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
     prompt = [(31 * i + 7) % 40000 + 100 for i in range(small_batch_rows() + 20)]
-    packed = LLM(model=MODEL, dtype="float32", max_model_len=1024)
+    packed = LLM(model=MODEL, dtype="float32", max_model_len=1024, small_batch_gemm=cpu_native.available() or None)
     model = packed.engine.runner.model
     assert model.prepacked and model.lm_head.is_mkldnn and model.layers[0].gate_up_weight.is_mkldnn
     assert (model.layers[0].gate_up_weight_panels is not None) == cpu_native.available()
     fast = _logits(packed, prompt)
     del packed
-    monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
-    dense = LLM(model=MODEL, dtype="float32", max_model_len=1024)
+    dense = LLM(model=MODEL, dtype="float32", max_model_len=1024, prepack_weights=False)
     assert not dense.engine.runner.model.prepacked
     torch.testing.assert_close(fast, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="prepacked"):
@@ -130,36 +144,32 @@ def test_prepacked_model_matches_dense_model(monkeypatch: pytest.MonkeyPatch) ->
 @needs_onednn
 @needs_native
 def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
     assert small_batch_rows() in (64, 512)  # what the build's instruction set picks (AVX2, AVX-512)
     prompt = [(17 * i + 3) % 40000 + 100 for i in range(11)]  # one step of 11 rows: the panels' range
-    both = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    both = LLM(model=MODEL, dtype="float32", max_model_len=256, small_batch_gemm=True)
     model = both.engine.runner.model
     layer = model.layers[0]
     assert layer.gate_up_weight.is_mkldnn and layer.gate_up_weight_panels is not None
     assert layer.gate_up_weight_panels.shape == (-(-layer.gate_up_weight.shape[0] // 32), 576, 32)
     assert model.lm_head_panels is not None and model.lm_head_panels.shape[0] == -(-model.vocab_size // 32)
     calls: list[int] = []
-    real = cpu_native.panel_gemm
+    real = ops.panel_gemm
 
     def counted(x: torch.Tensor, *args: object, **kw: object) -> torch.Tensor | None:
         calls.append(x.shape[0])
         return real(x, *args, **kw)
 
-    monkeypatch.setattr(linear_module.cpu_native, "panel_gemm", counted)
+    monkeypatch.setattr(linear_module.ops, "panel_gemm", counted)
     small = _logits(both, prompt)
     # 4 GEMMs in each of 30 layers at 11 rows, the last layer's after attention and the LM head at the 1 sampled row
     assert calls.count(11) == 4 * 29 + 1 and calls.count(1) == 4
     with_panels = both.engine.runner.weight_bytes
     del both
-    monkeypatch.setattr(linear_module.cpu_native, "panel_gemm", real)
-    monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "0")
-    dense = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    monkeypatch.setattr(linear_module.ops, "panel_gemm", real)
+    dense = LLM(model=MODEL, dtype="float32", max_model_len=256, prepack_weights=False)
     torch.testing.assert_close(small, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
     del dense
-    monkeypatch.setenv("KVPILOT_PREPACK_WEIGHTS", "1")
-    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "0")
-    packed_only = LLM(model=MODEL, dtype="float32", max_model_len=256)
+    packed_only = LLM(model=MODEL, dtype="float32", max_model_len=256, small_batch_gemm=False)
     model = packed_only.engine.runner.model
     assert model.layers[0].gate_up_weight_panels is None and model.lm_head_panels is None
     # the panels are counted in the weights the memory budget reports: every GEMM weight and the LM head
@@ -168,16 +178,14 @@ def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytes
 
 
 @needs_native
-def test_panels_are_kept_only_within_the_memory_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KVPILOT_SMALL_BATCH_GEMM", raising=False)
-    import os
-
+def test_panels_are_kept_only_within_the_memory_share() -> None:
+    switch(small_batch_gemm=None)
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert keep_panels(physical // 20) is True
     assert keep_panels(physical // 5) is False
-    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "1")
+    switch(small_batch_gemm=True)
     assert keep_panels(physical) is True
-    monkeypatch.setenv("KVPILOT_SMALL_BATCH_GEMM", "0")
+    switch(small_batch_gemm=False)
     assert keep_panels(0) is False
 
 
@@ -185,8 +193,7 @@ def test_malloc_settings_apply_once(monkeypatch: pytest.MonkeyPatch) -> None:
     assert host_malloc.keep_freed_memory() is True  # glibc on every machine this project supports
     assert host_malloc.keep_freed_memory() is True  # idempotent
     monkeypatch.setattr(host_malloc, "_done", False)
-    monkeypatch.setenv("KVPILOT_MALLOC_TUNING", "0")
-    assert host_malloc.keep_freed_memory() is False
+    assert host_malloc.keep_freed_memory(enabled=False) is False
 
 
 def test_large_logits_reuse_one_buffer_and_match_a_plain_lm_head() -> None:

@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from kvpilot.daemon.engine.loader import resolve_model_path
-from kvpilot.daemon.engine.model_files import load_config, load_tokenizer, read_plain_config
+from kvpilot.common.model_source import resolve_model_path
+from kvpilot.common.tokenizer import load_tokenizer
+from kvpilot.daemon.engine.model_files import load_config, read_plain_config
 from kvpilot.daemon.engine.models import get_model_class
 from kvpilot.daemon.engine.models.llama import _layer_sliding_window, rope_inv_freq
 

@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
+from kvpilot.common.model_source import resolve_model_path
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.daemon.engine.loader import load_model, resolve_model_path
+from kvpilot.daemon.engine.loader import load_model
 from kvpilot.daemon.engine.runner import ModelRunner, SeqBatchEntry
 
 BLOCK = 16

@@ -8,12 +8,11 @@ import aiohttp
 import aiohttp.web
 import pytest
 
-from kvpilot.operator.autoscaler import RouterSample
+from kvpilot.common.metrics_text import DEFAULT_NAMES, ScrapeError, parse_metrics
+from kvpilot.operator.autoscaler import PodSample, RouterSample
 from kvpilot.operator.scrape import (
-    DEFAULT_NAMES,
-    ScrapeError,
     Target,
-    parse_metrics,
+    parse_pod_metrics,
     parse_router_metrics,
     scrape,
     scrape_routers,
@@ -50,6 +49,10 @@ def test_several_series_sum_waiting_and_take_the_fullest_cache():
     page = PAGE + 'vllm:num_requests_waiting{model_name="n"} 2\nvllm:kv_cache_usage_perc{model_name="n"} 0.9\n'
     s = parse_metrics(page, DEFAULT_NAMES)
     assert (s.kv_cache_usage, s.waiting) == (0.9, 5.0)
+
+
+def test_the_operator_reads_a_pod_as_the_common_parser_does():
+    assert parse_pod_metrics(PAGE, DEFAULT_NAMES) == PodSample(kv_cache_usage=0.42, waiting=3.0, running=5.0)
 
 
 def pod(name, ip, ready=True, phase="Running", deleting=False, port=None):

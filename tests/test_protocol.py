@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.daemon.protocol import (
-    APIError,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_body,
-)
+from kvpilot.common.errors import APIError
+from kvpilot.common.protocol import parse_json_body
+from kvpilot.daemon.protocol import parse_chat_request, parse_completion_request
 
 MSGS = [{"role": "user", "content": "hi"}]
 

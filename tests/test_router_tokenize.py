@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvpilot.daemon.protocol import APIError, parse_chat_request
+from kvpilot.common.errors import APIError
+from kvpilot.common.protocol import parse_chat_body
+from kvpilot.daemon.protocol import parse_chat_request
 from kvpilot.daemon.serving import OpenAIServing
 from kvpilot.router.prompt import ByteTokenizer, PromptHasher, fast_encoder, load_tokenizer
 from kvpilot.router.tokenize_pool import PENDING_PER_THREAD, TokenizePool
@@ -284,12 +286,11 @@ build_app(RouterSettings(endpoints="http://127.0.0.1:9", tokenizer="builtin://sm
 def test_constraints_can_be_left_to_the_daemon():
     chat = {"messages": [{"role": "user", "content": "Hammers?"}], "tools": TOOLS, "tool_choice": "required"}
     assert parse_chat_request(chat).params.structured_outputs is not None  # the daemon's parse: a forced call's grammar
-    light = parse_chat_request(chat, constraints=False)
-    assert light.params.structured_outputs is None and light.tools == parse_chat_request(chat).tools
+    light = parse_chat_body(chat)  # the router's: no grammar, no SamplingParams
+    assert "structured_outputs" not in light.sampling and light.tools == parse_chat_request(chat).tools
     # the checks that do not parse grammars still run
     with pytest.raises(APIError):
-        parse_chat_request({**chat, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-                           constraints=False)
+        parse_chat_body({**chat, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
 
 
 @pytest.mark.slow  # loads transformers and the builtin model's tokenizer

@@ -10,20 +10,16 @@ import jsonschema
 import pytest
 from test_structured_output import GuidedSampler, run
 
-from kvpilot.daemon.engine import SamplingParams
-from kvpilot.daemon.engine.structured import StructuredOutputError
-from kvpilot.daemon.tools import (
-    HermesStreamParser,
-    chat_message,
-    finish_reason,
-    forced_call_spec,
-    parse,
+from kvpilot.common.errors import APIError
+from kvpilot.common.tools import (
     parse_message_tool_fields,
     parse_tool_choice,
     parse_tools,
     template_inputs,
     template_supports_tools,
 )
+from kvpilot.daemon.engine import SamplingParams
+from kvpilot.daemon.tools import HermesStreamParser, chat_message, finish_reason, forced_call_spec, parse
 
 WEATHER = {
     "type": "function",
@@ -126,9 +122,10 @@ def test_response_shapes():
     ([WEATHER], "sometimes", "tool_choice"),
 ])
 def test_bad_tools_name_the_field(tools, choice, field):
-    with pytest.raises(StructuredOutputError) as info:
+    with pytest.raises(APIError) as info:
         parse_tool_choice(choice, parse_tools(tools), auto_enabled=False)
-    assert info.value.field == field
+    assert info.value.param == field and info.value.status == 400
+    assert str(info.value).startswith(f"{field}: ")
 
 
 def test_tool_choice_defaults_and_modes():
@@ -144,9 +141,9 @@ def test_tool_choice_defaults_and_modes():
 def test_message_tool_fields():
     assert parse_message_tool_fields(0, {"role": "tool", "tool_call_id": "call_1", "content": "x"}) == {
         "tool_call_id": "call_1"}
-    with pytest.raises(StructuredOutputError, match="tool_call_id"):
+    with pytest.raises(APIError, match="tool_call_id"):
         parse_message_tool_fields(2, {"role": "tool", "content": "x"})
-    with pytest.raises(StructuredOutputError, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
+    with pytest.raises(APIError, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
         parse_message_tool_fields(1, {"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]})
 

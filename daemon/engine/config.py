@@ -10,6 +10,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: the model's dtype
 DEVICES = ("auto", "cpu", "cuda")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # kvpilot.kernels.settings checks them too
 DEFAULT_MODEL = "builtin://smollm2-135m"
 
 
@@ -44,7 +45,8 @@ class EngineConfig:
                 "prompt stalls running streams for several short steps instead of one long one (lower TPOT "
                 "and inter-token latency, a little later first token for that prompt); 0: no cap"})
     kv_cache_memory: int | None = field(default=None, metadata={
-        "help": "bytes for the KV cache on CPU, e.g. 256MiB (default 1 GiB)"})
+        "help": "bytes for the KV cache, e.g. 20Gi or 256MiB. On CPU the cache's size (default 1 GiB); on a "
+                "GPU a cap: the cache takes the smaller of this and what gpu_memory_utilization leaves"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "fraction of GPU memory the engine may use, KV cache included"})
     num_kv_blocks: int | None = field(default=None, metadata={
@@ -58,6 +60,32 @@ class EngineConfig:
     swap_space: float = field(default=1.0, metadata={
         "help": "GiB of CPU memory for swapped-out blocks"})
     seed: int = field(default=0, metadata={"help": "random seed of the engine"})
+    # kernel and host choices: resolved once at engine start (the kernels' KernelSettings, the runner's
+    # threads and memory), never read per step
+    attention_backend: str = field(default="auto", metadata={
+        "choices": ATTENTION_BACKENDS,
+        "help": "attention and KV-cache writes: auto picks triton for CUDA tensors, the native CPU kernels "
+                "where they apply and the torch reference otherwise; triton, cpu or torch forces one"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "never capture CUDA graphs: every decode step on a GPU runs eagerly"})
+    cpu_kernel: bool = field(default=True, metadata={
+        "help": "build (with the system C compiler, on first use) and use the native CPU kernels: attention, "
+                "KV writes, the model's row steps and small-batch GEMM; off: torch for all of them"})
+    prepack_weights: bool = field(default=True, metadata={
+        "help": "on the CPU, keep float32 (and, with AVX512-BF16 or AMX, bfloat16) GEMM weights in "
+                "oneDNN's blocked layout instead of repacking them on every call"})
+    small_batch_gemm: bool | None = field(default=None, metadata={
+        "help": "on the CPU, keep panel copies of the float32 GEMM weights for steps of a few rows (the "
+                "native panel GEMM). Default: when the copies take at most a tenth of physical memory"})
+    malloc_tuning: bool = field(default=True, metadata={
+        "help": "on the CPU with glibc, keep freed activation buffers in the heap instead of unmapping them "
+                "(the process keeps its peak activation memory after a burst)"})
+    populate_kv: bool = field(default=True, metadata={
+        "help": "on the CPU, map the KV cache's pages in on a background thread, paused while steps run; "
+                "off: they fault in on first use"})
+    num_threads: int | None = field(default=None, metadata={
+        "help": "intra-op CPU threads (default: OMP_NUM_THREADS, else the CPUs this process may use, "
+                "capped by a cgroup CPU limit)"})
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -86,3 +114,13 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("enforce_eager", "cpu_kernel", "prepack_weights", "malloc_tuning", "populate_kv"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.small_batch_gemm is not None and not isinstance(self.small_batch_gemm, bool):
+            raise ValueError(f"small_batch_gemm must be true, false or None (auto), got {self.small_batch_gemm!r}")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(
+                self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")

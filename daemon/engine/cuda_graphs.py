@@ -4,15 +4,14 @@ A decode step of a small model on a GPU is launch-bound: ~10 kernels per layer, 
 microseconds of work. Replaying a captured graph costs one launch. A graph has fixed shapes, so
 one is captured per bucket size and a batch of n decodes runs in the smallest bucket >= n; the
 padding rows write to slot -1 (store_kv skips it) and attend over one token of block 0, and their
-outputs are dropped. Off on the CPU (nothing to gain there, and no CUDA); ``KVPILOT_CUDA_GRAPHS=0``
-turns it off on CUDA.
+outputs are dropped. Off on the CPU (nothing to gain there, and no CUDA); the engine's ``enforce_eager``
+(vLLM's name) turns it off on CUDA.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
@@ -20,9 +19,6 @@ import torch
 from .models import AttentionMetadata
 
 logger = logging.getLogger(__name__)
-
-_ENV = "KVPILOT_CUDA_GRAPHS"
-
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Bucket sizes: 1, 2, 4, then every multiple of 8 up to max_num_seqs (vLLM's default ladder)."""
@@ -41,8 +37,8 @@ def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get(_ENV, "1").strip() != "0"
+def enabled(device: torch.device, enforce_eager: bool = False) -> bool:
+    return device.type == "cuda" and not enforce_eager
 
 
 class DecodeGraphs:

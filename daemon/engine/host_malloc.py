@@ -1,15 +1,14 @@
 """Host memory for CPU inference: glibc malloc settings that keep freed activation buffers instead of
 unmapping them, and ``PagePopulation`` for the KV cache's fresh pages (see there).
 
-A forward pass allocates activations of up to tens of MiB per op (a 2048-token chunk's gate/up output
-is 24 MiB). glibc serves blocks that large with a fresh mmap and unmaps them on free, so every op
-page-faults its whole output in again, zero-filling it first: measured at 25% of a 2048-token
-prefill on 2 cores. Raising the mmap threshold to its maximum (32 MiB on 64-bit) and the trim
-threshold well above the working set makes those blocks come from the heap and stay there, as
+A forward pass allocates activations of up to tens of MiB per op. glibc serves blocks that large with a
+fresh mmap and unmaps them on free, so every op page-faults its whole output in again, zero-filling it
+first: a large share of a long prefill. Raising the mmap threshold to its maximum (32 MiB on 64-bit) and
+the trim threshold well above the working set makes those blocks come from the heap and stay there, as
 tcmalloc or jemalloc (which vLLM preloads) would do. The cost is that the process keeps its peak
 activation memory after a burst.
 
-``KVPILOT_MALLOC_TUNING=0`` leaves malloc alone; non-glibc systems are left alone too.
+The engine's ``malloc_tuning`` off leaves malloc alone; non-glibc systems are left alone too.
 """
 
 from __future__ import annotations
@@ -42,12 +41,13 @@ def _libc_function(name: str) -> ctypes._CFuncPtr | None:
         return None
 
 
-def keep_freed_memory() -> bool:
-    """Apply the settings once per process; True when they are in effect."""
+def keep_freed_memory(enabled: bool = True) -> bool:
+    """Apply the settings once per process (``enabled``: the engine's ``malloc_tuning``); True when they are
+    in effect."""
     global _done
     if _done:
         return True
-    if os.environ.get("KVPILOT_MALLOC_TUNING", "").strip() == "0":
+    if not enabled:
         return False
     mallopt = _libc_function("mallopt")
     if mallopt is None:  # not glibc
@@ -72,7 +72,7 @@ def row_slices(rows: int, bytes_per_row: int) -> list[slice] | None:
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their contents
-_POPULATE_CHUNK = 512 << 10  # per buffer and call: 1-4 ms on a host that backs memory on first touch
+_POPULATE_CHUNK = 512 << 10  # per buffer and call: short enough that a pause takes effect soon
 _PAUSED_POLL_S = 0.005
 
 
@@ -81,16 +81,16 @@ class PagePopulation:
 
     Why: the CPU KV cache is fresh zero pages, and without this every 4 KiB of it page-faults on first
     use, inside a step's KV store. On a VM whose host backs guest memory on first touch that costs
-    3-8 s per fresh GiB (measured on 2-core Firecracker VMs), which writing the pages at start would add
-    to the start instead. ``MADV_POPULATE_WRITE`` maps them without writing their contents, so steps
-    may fill the same pages meanwhile; ctypes drops the GIL for the call.
+    seconds per fresh GiB, which writing the pages at start would add to the start instead.
+    ``MADV_POPULATE_WRITE`` maps them without writing their contents, so steps may fill the same pages
+    meanwhile; ctypes drops the GIL for the call.
 
     The same offsets of every buffer map in together, lowest first: the KV cache hands out low block
     ids first, and a block lives at the same offset of every layer's cache. ``wait(nbytes)`` returns
     once the first ``nbytes`` of every buffer are mapped, so a server can report ready after the blocks
     its first steps use. ``pause_while(busy)`` then keeps the rest off the cores while ``busy()`` holds:
-    beside a step it slowed that step up to 2x on such a VM even at idle priority, where a step that
-    touches a block not yet mapped pays only for that block.
+    beside a step it slows that step on such a VM even at idle priority, where a step that touches a
+    block not yet mapped pays only for that block.
     """
 
     def __init__(self, ranges: list[tuple[int, int]]) -> None:
@@ -108,10 +108,11 @@ class PagePopulation:
         self._thread = threading.Thread(target=self._run, name="kvpilot-kv-populate", daemon=True)
 
     @classmethod
-    def start(cls, ranges: list[tuple[int, int]]) -> PagePopulation | None:
-        """A running population; None where there is nothing to map or ``KVPILOT_POPULATE_KV=0``. Older
-        kernels refuse the advice: the thread then ends and the pages map in on first use, as before."""
-        if not ranges or os.environ.get("KVPILOT_POPULATE_KV", "").strip() == "0":
+    def start(cls, ranges: list[tuple[int, int]], enabled: bool = True) -> PagePopulation | None:
+        """A running population; None where there is nothing to map or not ``enabled`` (the engine's
+        ``populate_kv``). Older kernels refuse the advice: the thread then ends and the pages map in on
+        first use, as before."""
+        if not ranges or not enabled:
             return None
         population = cls(ranges)
         population._thread.start()

@@ -1,17 +1,12 @@
-"""A model folder's config and tokenizer, read without transformers' auto classes where that is exact.
+"""A model folder's config, read without transformers' auto classes where that is exact.
 
 ``AutoConfig`` imports the model type's config module, and in transformers 5 every one of those
 pulls in the model-loading stack down to ``torch.distributed.tensor``: 1.7 s of a 2-core start, for
-a handful of numbers in config.json. ``AutoTokenizer`` adds 0.7 s more of auto-class tables to find
-the class that tokenizer_config.json already names. So:
-
-- ``load_config`` reads config.json itself when it is a Llama config that states every field the
-  native model reads (nothing left to transformers' class defaults) and uses a RoPE type computed
-  here. Anything else goes through ``AutoConfig``, unchanged.
-- ``load_tokenizer`` loads the tokenizers-backed class directly when tokenizer_config.json names it
-  and a tokenizer.json is there; otherwise ``AutoTokenizer``.
-
-Both return what the auto classes would for such folders (tests/test_model_files.py compares them).
+a handful of numbers in config.json. So ``load_config`` reads config.json itself when it is a Llama
+config that states every field the native model reads (nothing left to transformers' class defaults)
+and uses a RoPE type computed here. Anything else goes through ``AutoConfig``, unchanged. It returns
+what AutoConfig would for such folders (tests/test_model_files.py compares them). The tokenizer, which
+the router loads too, is kvpilot.common.tokenizer's.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_config", "load_tokenizer", "read_plain_config"]
+__all__ = ["load_config", "read_plain_config"]
 
 # Fields the native Llama model, the loader and the engine read that LlamaConfig would otherwise
 # fill with its own defaults. A config.json missing one is left to AutoConfig.
@@ -35,8 +30,6 @@ _REQUIRED_LLAMA_FIELDS = (
 )
 # RoPE types the native model computes itself (rope_inv_freq); others need transformers' config object
 _NATIVE_ROPE_TYPES = {"default", "linear", "dynamic", "llama3"}
-# tokenizer classes that are the tokenizers-backed base class itself (transformers 5 and 4 names)
-_PLAIN_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
 
 def _rope_type(d: dict[str, Any]) -> str | None:
@@ -78,22 +71,3 @@ def load_config(path: Path) -> Any:
 
     return AutoConfig.from_pretrained(str(path))
 
-
-def load_tokenizer(path: Path) -> Any:
-    """The folder's tokenizer, as ``AutoTokenizer.from_pretrained`` would make it."""
-    try:
-        tok_config = json.loads((path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        tok_config = {}
-    if (
-        isinstance(tok_config, dict)
-        and tok_config.get("tokenizer_class") in _PLAIN_TOKENIZER_CLASSES
-        and not tok_config.get("auto_map")
-        and (path / "tokenizer.json").is_file()
-    ):
-        from transformers import PreTrainedTokenizerFast  # the tokenizers backend class itself
-
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

@@ -41,6 +41,22 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return _KV_CACHE_DTYPES[name]
 
 
+def gpu_kv_budget(*, free: int, total: int, gpu_memory_utilization: float, reserved: int,
+                  kv_cache_memory: int | None) -> tuple[int, str]:
+    """KV-cache bytes on a GPU with ``free`` of ``total`` bytes free (weights already loaded), and the
+    setting that bounds them: what ``gpu_memory_utilization`` of the device leaves after the memory in
+    use (our weights, other processes, the CUDA context) and ``reserved`` (the activation peak), capped
+    by ``kv_cache_memory`` when it is set. The cap only lowers the budget: it never claims memory the
+    utilization fraction does not leave, so two engines can share a GPU by fraction or by bytes."""
+    left = max(0, int(total * gpu_memory_utilization) - (total - free) - reserved)
+    fraction = f"gpu_memory_utilization={gpu_memory_utilization}"
+    if kv_cache_memory is not None and kv_cache_memory < left:
+        return kv_cache_memory, f"kv_cache_memory={kv_cache_memory}, under the {left} bytes {fraction} leaves"
+    if kv_cache_memory is not None:
+        return left, f"{fraction}, under kv_cache_memory={kv_cache_memory}"
+    return left, fraction
+
+
 @dataclass
 class SeqBatchEntry:
     token_ids: list[int]  # the tokens to compute this step (decode: 1 token; prefill chunk: several)
@@ -77,13 +93,14 @@ def _cgroup_cpu_limit() -> int | None:
     return max(1, -(-int(quota) // int(period)))
 
 
-def cpu_threads() -> int:
-    """Intra-op threads: KVPILOT_NUM_THREADS, else OMP_NUM_THREADS, else the CPUs this process may
-    use (affinity, capped by a cgroup CPU limit; torch's own default counts physical cores only)."""
-    for var in ("KVPILOT_NUM_THREADS", "OMP_NUM_THREADS"):
-        value = os.environ.get(var, "").strip()
-        if value.isdigit() and int(value) >= 1:
-            return int(value)
+def cpu_threads(num_threads: int | None = None) -> int:
+    """Intra-op threads: ``num_threads`` (the engine's), else OMP_NUM_THREADS, else the CPUs this process
+    may use (affinity, capped by a cgroup CPU limit; torch's own default counts physical cores only)."""
+    if num_threads is not None:
+        return num_threads
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -92,10 +109,10 @@ def cpu_threads() -> int:
     return min(n, limit) if limit else n
 
 
-def _configure_cpu_threads() -> None:
+def _configure_cpu_threads(num_threads: int | None) -> None:
     """With OpenMP the setting belongs to the calling thread, so the runner applies it in whichever
     thread runs the model."""
-    n = cpu_threads()
+    n = cpu_threads(num_threads)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
@@ -129,7 +146,7 @@ class ModelRunner:
 
     def _ensure_threads(self) -> None:
         if self.device.type == "cpu" and self._threads_set_for != threading.get_ident():
-            _configure_cpu_threads()
+            _configure_cpu_threads(self.config.num_threads)
             self._threads_set_for = threading.get_ident()
 
     # ------------------------------------------------------------------ memory
@@ -159,8 +176,8 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             num_blocks, source = self.config.num_kv_blocks, "num_kv_blocks"
         elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
-            num_blocks, source = budget // per_block, f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            budget, source = self._cuda_kv_budget()
+            num_blocks = budget // per_block
         else:
             budget = self.config.kv_cache_memory or _DEFAULT_CPU_KV_BYTES
             num_blocks, source = budget // per_block, f"kv_cache_memory={budget}"
@@ -187,11 +204,9 @@ class ModelRunner:
         )
         return num_blocks
 
-    def _cuda_kv_budget(self) -> int:
-        """What ``gpu_memory_utilization`` of the device leaves after weights, other users and a peak
-        activation estimate for a full token budget."""
+    def _cuda_kv_budget(self) -> tuple[int, str]:
+        """KV-cache bytes on this GPU and what bounds them: see ``gpu_kv_budget``."""
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free  # our weights, other processes, the CUDA context
         cfg = self.config
         hidden = self.model.hidden_size
         inter = self.model.config.intermediate_size
@@ -200,7 +215,8 @@ class ModelRunner:
         # live at once in one layer: residual, normed input, qkv, attention out, gate_up, activation
         act = tokens * (4 * hidden + 3 * hidden + 3 * inter) * elem
         logits = min(cfg.max_num_seqs, tokens) * self.vocab_size * (4 + elem) * 2
-        return max(0, int(total * cfg.gpu_memory_utilization) - used - act - logits)
+        return gpu_kv_budget(free=free, total=total, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                             reserved=act + logits, kv_cache_memory=cfg.kv_cache_memory)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Allocate per-layer K and V ``[num_blocks, block_size, kv_heads, head_dim]`` in the KV cache dtype
@@ -224,9 +240,11 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         self.model.bind_kv_caches(self.k_caches, self.v_caches)
         if self.device.type == "cpu":
-            host_malloc.keep_freed_memory()  # after the caches, so that they are fresh zero pages (see _zeros)
+            # after the caches, so that they are fresh zero pages (see _zeros)
+            host_malloc.keep_freed_memory(self.config.malloc_tuning)
             self.kv_population = host_malloc.PagePopulation.start(
-                [(t.data_ptr(), t.numel() * t.element_size()) for t in self.k_caches + self.v_caches])
+                [(t.data_ptr(), t.numel() * t.element_size()) for t in self.k_caches + self.v_caches],
+                enabled=self.config.populate_kv)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed cache tensor. On the CPU through calloc: under glibc's default mmap threshold a large
@@ -398,7 +416,7 @@ class ModelRunner:
 
     def wait_for_kv_cache_mapped(self, num_blocks: int | None = None) -> None:
         """Return once the background thread has mapped in the CPU KV cache's first ``num_blocks`` blocks
-        (None: all of them); at once when none runs (GPU caches, KVPILOT_POPULATE_KV=0)."""
+        (None: all of them); at once when none runs (GPU caches, populate_kv off)."""
         if self.kv_population is not None:
             block_bytes = self.k_caches[0][0].numel() * self.k_caches[0].element_size()
             self.kv_population.wait(None if num_blocks is None else num_blocks * block_bytes)
@@ -421,7 +439,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """Decode graphs per batch-size bucket (see cuda_graphs); a failed capture leaves eager mode."""
-        if not cuda_graphs.enabled(self.device) or self._graphs is not None:
+        if not cuda_graphs.enabled(self.device, self.config.enforce_eager) or self._graphs is not None:
             return
         sizes = cuda_graphs.capture_sizes(self.config.max_num_seqs)
         max_blocks = -(-self.loaded.max_model_len // self.block_size)

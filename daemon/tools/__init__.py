@@ -1,16 +1,10 @@
-"""Tool calling: tools/tool_choice validation and forced-call grammars (schema), the Hermes parser
-(hermes) and messages/responses (messages)."""
+"""Tool calls in the daemon's answers: the Hermes parser (hermes), OpenAI's response shapes (messages),
+chat responses that parse calls (chat_format) and forced-call grammars (schema). Validating tools and
+tool_choice, and putting tools into the chat template, is kvpilot.common.tools' (shared with the router)."""
 
-from .hermes import HermesStreamParser, ParsedOutput, ToolCall, new_call_id, parse
-from .messages import (
-    chat_message,
-    finish_reason,
-    parse_message_tool_fields,
-    template_inputs,
-    template_supports_tools,
-    tools_system_prompt,
-)
-from .schema import Tool, ToolChoice, forced_call_spec, parse_tool_choice, parse_tools, single_call_stop
+from .hermes import HermesStreamParser, ParsedOutput, ToolCall, parse
+from .messages import chat_message, finish_reason
+from .schema import forced_call_spec
 
 TOOL_CALL_PARSERS = {"hermes": HermesStreamParser}
 
@@ -18,19 +12,9 @@ __all__ = [
     "TOOL_CALL_PARSERS",
     "HermesStreamParser",
     "ParsedOutput",
-    "Tool",
     "ToolCall",
-    "ToolChoice",
     "chat_message",
     "finish_reason",
     "forced_call_spec",
-    "new_call_id",
     "parse",
-    "parse_message_tool_fields",
-    "parse_tool_choice",
-    "parse_tools",
-    "single_call_stop",
-    "template_inputs",
-    "template_supports_tools",
-    "tools_system_prompt",
 ]

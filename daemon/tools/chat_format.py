@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpilot.common.tools import single_call_stop
+
 from ..engine.outputs import CompletionOutput
 from ..protocol import ChatRequest
 from ..response_formats import ChatFormat, ChoiceState, Detokenizer, RequestState
 from .hermes import HermesStreamParser, parse
 from .messages import chat_message, finish_reason
-from .schema import single_call_stop
 
 
 class ToolChatFormat(ChatFormat):

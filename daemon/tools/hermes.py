@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .schema import CALL_BEGIN, CALL_END
+from kvpilot.common.tools import CALL_BEGIN, CALL_END, new_call_id
 
 _DECODER = json.JSONDecoder()
 _NAME_KEY = re.compile(r'^\s*\{\s*"name"\s*:\s*')
 _ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _TRAILING = " \t\r\n}"  # may belong to the call's own closing brace: held back while streaming
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass

@@ -1,25 +1,18 @@
 """Linear layers with weights prepacked for oneDNN on the CPU.
 
-A plain ``F.linear`` on the CPU repacks the weight matrix into the GEMM kernel's panel layout on
-every call. For the small row counts of decode steps (8-256 rows against 576x3072 weights) that
-repacking is a large share of the call: the weight is read and written once more for a few rows of
-output. oneDNN can keep the weight in its blocked layout once and for all (what inductor's
-``freezing`` does for CPU models). Measured on 2 AVX2 cores: the LM head 1.3-1.9x faster at 8-96
-rows, gate/up and down 1.1-1.4x, q/k/v and o unchanged.
+A plain ``F.linear`` on the CPU repacks the weight matrix into the GEMM kernel's panel layout on every
+call, a large share of a small decode step's GEMM. oneDNN can keep the weight in its blocked layout once and
+for all (what inductor's ``freezing`` does for CPU models): float32, and bfloat16 where oneDNN has bfloat16
+kernels for the CPU (AVX512-BF16 or AMX), unless the engine's ``prepack_weights`` is off
+(bench/results/profile_prepack.md). A packed weight is an opaque oneDNN tensor: it has a shape and a size
+but no strided storage, so only ``linear`` below may read it.
 
-float32 on the CPU is packed, and bfloat16 where oneDNN has bfloat16 kernels for the CPU (AVX512-BF16 or
-AMX; measured on 2 AVX512-BF16 cores, 576x3072 weights: 1.6x at 16 rows, 1.2x at 96, 1.1x at 2048);
-``KVPILOT_PREPACK_WEIGHTS=0`` turns it off. A packed weight is an opaque oneDNN tensor: it has a shape
-and a size but no strided storage, so only ``linear`` below may read it.
+Steps of a few rows only stream the weights, and oneDNN reads them well below the host's streaming rate.
+There ``linear`` takes the weight's panels (``ops.pack_panels``), when the model kept them, to
+``ops.panel_gemm``, up to ``small_batch_rows()`` rows (bench/results/serving_vllm_panels.md). The panels
+are a second copy of each GEMM weight, so the models keep them only where ``keep_panels`` allows.
 
-Steps of a few rows are different: they only stream the weights, and oneDNN reads them well below
-the host's streaming rate. There ``linear`` takes the weight's panels (``ops.pack_panels``),
-when the model kept them, to ``ops.panel_gemm``, up to ``small_batch_rows()`` rows: 64 on AVX2,
-512 where the build has AVX-512. Measured there over a decode step's GEMMs (30 layers and the LM head,
-538 MB): 12-19 ms at 1-8 rows, where the earlier kernel over plain rows took 25-39 ms, and against
-oneDNN 29 vs 35 ms at 16 rows, 45 vs 53 at 32, 85 vs 96 at 64; over the 30 layers alone 196-213
-GFLOP/s against oneDNN's 145-198 at 64-512 rows, and level from 768. The panels are a second copy of each
-GEMM weight, so the models keep them only where ``keep_panels`` allows.
+Both switches come from the kernel settings the engine configured at start (``ops.current()``).
 """
 
 from __future__ import annotations
@@ -33,13 +26,11 @@ from kvpilot.kernels import ops
 
 __all__ = ["linear", "prepack_supported", "prepack", "keep_panels", "small_batch_rows"]
 
-_ENV = "KVPILOT_PREPACK_WEIGHTS"
-_PANELS_ENV = "KVPILOT_SMALL_BATCH_GEMM"  # 0: never keep panels, 1: always (where the kernel builds)
 _PANELS_MEMORY_SHARE = 0.1  # the second copy may take up to this share of the machine's memory
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    if os.environ.get(_ENV, "").strip() == "0":
+    if not ops.current().prepack_weights:
         return False
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -63,12 +54,12 @@ def small_batch_rows() -> int:
 
 def keep_panels(extra_bytes: int) -> bool:
     """Whether a model may keep panel copies of its packed weights (``extra_bytes`` in all) for small
-    steps: the native kernel is there and the copies take at most a tenth of physical memory, unless
-    ``KVPILOT_SMALL_BATCH_GEMM`` says 0 or 1."""
-    setting = os.environ.get(_PANELS_ENV, "").strip()
-    if setting == "0" or not ops.native_available():
+    steps: the native kernel is there and the copies take at most a tenth of physical memory, unless the
+    ``small_batch_gemm`` setting says always (True) or never (False)."""
+    setting = ops.current().small_batch_gemm
+    if setting is False or not ops.native_available():
         return False
-    if setting == "1":
+    if setting is True:
         return True
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -81,8 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            panels: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` that also takes a prepacked weight, and for small steps its panels when kept. With
     ``residual`` (``[rows, out]``), ``residual + F.linear(...)``: the GEMM adds it as it writes its output,
-    which saves a pass over both, with the same results. Measured on 2 AVX-512 cores: 30 down projections
-    of 2048 rows 533 ms against 556 with the add apart; whole steps moved less than their noise."""
+    which saves a pass over both, with the same results."""
     if panels is not None and x.shape[0] <= small_batch_rows():
         y = ops.panel_gemm(x, panels, weight.shape[0], bias, residual)
         if y is not None:

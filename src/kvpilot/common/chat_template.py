@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .tools import template_inputs, template_supports_tools
+
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list | None, *,
                 add_generation_prompt: bool, continue_final_message: bool) -> Any:
@@ -12,10 +14,6 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list | No
     text. Template errors are the caller's to map (the daemon answers 400, the router routes on load)."""
     native_tools = None
     if tools or any("tool_calls" in m or m.get("role") == "tool" for m in messages):
-        # imported only for tool requests: the tools package pulls in the engine (torch), which the
-        # router does not load otherwise
-        from .tools import template_inputs, template_supports_tools
-
         messages, native_tools = template_inputs(messages, tools or [], template_supports_tools(tokenizer))
     return tokenizer.apply_chat_template(messages, tools=native_tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt,

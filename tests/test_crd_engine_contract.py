@@ -1,0 +1,318 @@
+"""The contract between the CRD's spec.engine and the daemon: EngineConfig (and ServeArgs for the daemon's own
+settings) is the source of truth; the CRD must expose its fields under their camelCase names with the same
+types, defaults, choices, ranges and size grammar, and the operator must hand each one to `kvpilot serve`
+under the right flag. Every check derives from EngineConfig, so a drift on either side fails here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from typing import Any
+
+import pytest
+import torch
+
+from kvpilot import sizes
+from kvpilot.daemon.args import ServeArgs, parse_serve_args
+from kvpilot.daemon.engine import runner as runner_mod
+from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.operator import crd, resources
+from operator_support import crd_checks as checks
+
+# EngineConfig fields deliberately not in spec.engine, each with why. A new EngineConfig field fails
+# test_every_engine_field_is_decided until it is added to the CRD or here.
+NOT_IN_CRD: dict[str, str] = {
+    "model": "spec.model.uri, rendered as the MODEL argument (pvc:// becomes the mounted path)",
+    "served_model_name": "spec.model.name (default metadata.name), rendered as the daemon's --served-model-name",
+    "device": "follows resources.gpus: auto picks cuda when the pod has a GPU, else cpu",
+    "num_kv_blocks": "a fixed block count for tests and benchmarks; kvCacheMemory sizes a production cache",
+    "preemption_mode": "recompute suits serving; swap also needs swapSpace sized into resources.memory: extraArgs",
+    "swap_space": "only used by preemption_mode swap (see there): extraArgs",
+    "seed": "requests carry their own seeds; the engine-wide one is for reproducible tests: extraArgs",
+    # kernel and host knobs: auto/defaults are right on every supported node; a way out when debugging
+    "attention_backend": "auto picks the kernel for the device; forcing one is for debugging: extraArgs",
+    "enforce_eager": "CUDA graphs are the fast path; turning them off is for debugging: extraArgs",
+    "cpu_kernel": "CPU-kernel tuning, right by default; off only to compare against torch: extraArgs",
+    "prepack_weights": "CPU-kernel tuning, right by default: extraArgs",
+    "small_batch_gemm": "CPU-kernel tuning, decided from physical memory at start: extraArgs",
+    "malloc_tuning": "glibc heap tuning for CPU pods, right by default: extraArgs",
+    "populate_kv": "CPU KV-cache page mapping, right by default: extraArgs",
+    "num_threads": "follows resources.cpu: the daemon sizes its threads from the pod's cgroup CPU limit",
+}
+
+# spec.engine fields that are the daemon's settings (ServeArgs), not the engine's.
+DAEMON_FIELDS: dict[str, str] = {"maxQueuedRequests": "max_queued_requests"}
+PASSTHROUGH = {"extraArgs"}  # appended to the flags as written; the daemon's argparse judges them
+
+# A non-default value for every spec.engine field: what the operator must get through to the daemon.
+EVERY_FIELD_SET: dict[str, Any] = {
+    "blockSize": 64, "maxNumSeqs": 7, "maxNumBatchedTokens": 333, "longPrefillTokenThreshold": 99,
+    "maxModelLen": 1234, "dtype": "float16", "kvCacheDtype": "bfloat16", "kvCacheMemory": "1.5Gi",
+    "gpuMemoryUtilization": 0.55, "enablePrefixCaching": False, "schedulingPolicy": "priority",
+    "maxQueuedRequests": 17, "extraArgs": ["--seed", "5"],
+}
+
+JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
+SIZE_FIELDS = {"kv_cache_memory"}  # ints in EngineConfig, strings of kvpilot.sizes' grammar in the CRD
+META = {"name": "llm", "namespace": "ml", "uid": "u-1"}
+
+
+def camel(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(w.capitalize() for w in rest)
+
+
+def kebab(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def engine_props() -> dict[str, dict[str, Any]]:
+    return crd.spec_schema()["properties"]["engine"]["properties"]
+
+
+ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig)}
+EXPOSED = sorted(n for n in ENGINE_FIELDS if n not in NOT_IN_CRD)
+HINTS = typing.get_type_hints(EngineConfig)
+
+
+def base_type(name: str) -> type:
+    hint = HINTS[name]
+    return next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+
+
+def default_of(name: str) -> Any:
+    f = ENGINE_FIELDS[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
+# --- names ---------------------------------------------------------------------------------------------
+
+def test_every_engine_field_is_decided():
+    assert set(NOT_IN_CRD) <= set(ENGINE_FIELDS), f"stale NOT_IN_CRD entries: {set(NOT_IN_CRD) - set(ENGINE_FIELDS)}"
+    props = engine_props()
+    missing = [camel(n) for n in EXPOSED if camel(n) not in props]
+    assert not missing, (f"EngineConfig fields with no spec.engine field: {missing}; add them to the CRD "
+                         "(and operator/resources.py) or to NOT_IN_CRD with a reason")
+    assert not [n for n in NOT_IN_CRD if camel(n) in props], "a field is both in the CRD and in NOT_IN_CRD"
+    assert all(reason.strip() for reason in NOT_IN_CRD.values())
+
+
+def test_every_crd_engine_field_is_known():
+    expected = {camel(n) for n in EXPOSED} | set(DAEMON_FIELDS) | PASSTHROUGH
+    assert set(engine_props()) == expected
+    serve_fields = {f.name for f in dataclasses.fields(ServeArgs)}
+    assert set(DAEMON_FIELDS.values()) <= serve_fields
+
+
+@pytest.mark.parametrize("prop", sorted(engine_props().keys() - PASSTHROUGH))
+def test_descriptions_name_their_flag(prop):
+    dest = DAEMON_FIELDS.get(prop) or next(n for n in EXPOSED if camel(n) == prop)
+    assert f"({kebab(dest)}" in engine_props()[prop]["description"]
+
+
+# --- types, defaults, choices --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", EXPOSED)
+def test_types(name):
+    node = engine_props()[camel(name)]
+    if name in SIZE_FIELDS:
+        assert node["type"] == "string" and node["pattern"] == sizes.SIZE_PATTERN
+    else:
+        assert node["type"] == JSON_TYPES[base_type(name)], name
+        assert "pattern" not in node
+
+
+@pytest.mark.parametrize("name", EXPOSED)
+def test_defaults(name):
+    """A CRD default equals the daemon's; a field whose daemon default is None (derived at start) has none."""
+    node, default = engine_props()[camel(name)], default_of(name)
+    if "default" in node:
+        assert default is not None, f"{name}: the daemon derives it; the CRD must not fix it"
+        assert node["default"] == default and type(node["default"]) is type(default), name
+
+
+@pytest.mark.parametrize("name", EXPOSED)
+def test_choices(name):
+    node, choices = engine_props()[camel(name)], ENGINE_FIELDS[name].metadata.get("choices")
+    if choices is None:
+        assert "enum" not in node, name
+    else:
+        assert sorted(node["enum"], key=str) == sorted(choices, key=str), name
+
+
+# --- ranges: the CRD (as the API server and the operator judge it) accepts exactly what the daemon does ----
+
+def crd_accepts(engine: dict[str, Any]) -> bool:
+    spec = {"model": {"uri": "hf://org/m"}, "engine": engine}
+    o = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "ok"},
+         "spec": spec}
+    server = checks.schema_errors(o, crd.version_schema()) == [] and \
+        checks.cel_errors({**o, "spec": crd.default_spec(spec)}, crd.version_schema()) == []
+    # The emulator's patterns are Python's, whose $ also passes a final newline; RE2's does not.
+    props = engine_props()
+    server = server and all(re.search(props[k]["pattern"].removesuffix("$") + r"\Z", v) for k, v in engine.items()
+                            if "pattern" in props.get(k, {}) and isinstance(v, str))
+    operator = crd.validate("ok", crd.default_spec(spec)) == []
+    assert server == operator, (engine, server, operator)
+    return server
+
+
+def daemon_accepts(dest: str, value: Any) -> bool:
+    if isinstance(value, bool):  # --x / --no-x, as the operator writes them
+        argv = [kebab(dest) if value else "--no-" + kebab(dest)[2:]]
+    else:
+        argv = [kebab(dest), str(value)]
+    try:
+        parse_serve_args(argv, environ={})
+    except SystemExit:
+        return False
+    return True
+
+
+def probes(node: dict[str, Any], kind: type, choices: tuple[Any, ...] = ()) -> list[Any]:
+    """Values either side of every bound the CRD or the daemon might set, and both sides' choices."""
+    if kind is int:
+        edges = {-(2**31), -1, 0, 1, 2, 8, 15, 16, 17, 64, 4096, 4097, 2**20, 2**20 + 1, 2**31}
+        for bound in ("minimum", "maximum"):
+            if bound in node:
+                edges |= {node[bound] - 1, node[bound], node[bound] + 1}
+        return sorted(edges | set(node.get("enum", [])) | set(choices))
+    if kind is float:
+        edges = {-1.0, 0.0, 1e-6, 0.05, 0.5, 0.999999, 1.0, 1.000001, 2.0, 100.0}
+        for bound in ("minimum", "maximum"):
+            if bound in node:
+                edges |= {node[bound] - 1e-6, float(node[bound]), node[bound] + 1e-6}
+        return sorted(edges)
+    if kind is str:
+        return sorted({*node.get("enum", []), *choices, "bogus", ""})
+    return [True, False]
+
+
+@pytest.mark.parametrize("name", [n for n in EXPOSED if n not in SIZE_FIELDS])
+def test_ranges_and_choices_agree_value_by_value(name):
+    node = engine_props()[camel(name)]
+    values = probes(node, base_type(name), tuple(ENGINE_FIELDS[name].metadata.get("choices", ())))
+    verdicts = [(v, crd_accepts({camel(name): v}), daemon_accepts(name, v)) for v in values]
+    disagree = [v for v in verdicts if v[1] != v[2]]
+    assert not disagree, f"{name}: (value, CRD accepts, daemon accepts): {disagree}"
+
+
+@pytest.mark.parametrize("name", EXPOSED)
+def test_integer_bounds_are_the_daemons(name):
+    """Said outright for integers: the CRD's minimum is the daemon's smallest value (min ok, min-1 refused)."""
+    node = engine_props()[camel(name)]
+    if node["type"] != "integer" or "enum" in node:
+        return
+    assert "minimum" in node, f"{name}: the daemon refuses some integers; say which with a minimum"
+    low = node["minimum"]
+    EngineConfig(**{name: low})
+    assert daemon_accepts(name, low)
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**{name: low - 1})
+    assert not daemon_accepts(name, low - 1)
+    if "maximum" in node:
+        assert daemon_accepts(name, node["maximum"]) and not daemon_accepts(name, node["maximum"] + 1)
+
+
+@pytest.mark.parametrize("dest", sorted(DAEMON_FIELDS.values()))
+def test_daemon_fields_bounds(dest):
+    prop = next(p for p, d in DAEMON_FIELDS.items() if d == dest)
+    node = engine_props()[prop]
+    default = next(f.default for f in dataclasses.fields(ServeArgs) if f.name == dest)
+    assert node.get("default", default) == default
+    for v in probes(node, int):
+        assert crd_accepts({prop: v}) == daemon_accepts(dest, v), (prop, v)
+
+
+@pytest.mark.parametrize("text", ["20Gi", "256MiB", "1.5G", "1k", "1Ti", "1Pi", "4096", "0", "0Gi", "1gi",
+                                  "512m", "1E", "1e9", "-1Gi", "1Gi ", "1Gi\n", ".5Gi"])
+def test_sizes_agree(text):
+    assert crd_accepts({"kvCacheMemory": text}) == daemon_accepts("kv_cache_memory", text) == sizes.is_size(text)
+
+
+# --- the operator's flags reach the daemon -------------------------------------------------------------
+
+def rendered(engine: dict[str, Any]) -> ServeArgs:
+    spec = crd.default_spec({"model": {"uri": "hf://org/model"}, "engine": engine})
+    assert crd.validate("llm", spec) == []
+    args = resources.daemon_args(META, spec)
+    assert args[0] == "serve"
+    return parse_serve_args(args[1:], environ={})
+
+
+def expected_value(name: str, crd_value: Any) -> Any:
+    return sizes.parse_size(crd_value) if name in SIZE_FIELDS else crd_value
+
+
+def test_every_field_set_reaches_the_daemon():
+    assert set(EVERY_FIELD_SET) == set(engine_props()), "give every spec.engine field a value here"
+    a = rendered(EVERY_FIELD_SET)
+    cfg = a.engine_config()
+    for name in EXPOSED:
+        want = expected_value(name, EVERY_FIELD_SET[camel(name)])
+        assert want != default_of(name), f"{name}: pick a non-default value, or the test proves nothing"
+        assert getattr(cfg, name) == want, name
+    for prop, dest in DAEMON_FIELDS.items():
+        assert getattr(a, dest) == EVERY_FIELD_SET[prop], prop
+    assert cfg.seed == 5  # extraArgs
+
+
+def test_a_bare_spec_runs_the_daemons_defaults():
+    """Unset fields are either defaulted to the daemon's value or left out of the flags."""
+    a = rendered({})
+    cfg = a.engine_config()
+    for name in EXPOSED:
+        assert getattr(cfg, name) == default_of(name), name
+    for dest in DAEMON_FIELDS.values():
+        assert getattr(a, dest) == getattr(ServeArgs(), dest)
+
+
+# --- kvCacheMemory on GPUs: a cap beside gpuMemoryUtilization -------------------------------------------
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("free, cap, budget, bound", [
+    (70 * GiB, None, 60 * GiB, "gpu_memory_utilization"),  # 0.9 * 80 - 10 used - 2 reserved
+    (70 * GiB, 20 * GiB, 20 * GiB, "kv_cache_memory"),      # the cap binds
+    (70 * GiB, 100 * GiB, 60 * GiB, "gpu_memory_utilization"),  # a cap above what the fraction leaves claims no more
+    (5 * GiB, 20 * GiB, 0, "gpu_memory_utilization"),       # others hold the GPU: nothing left, whatever the cap
+])
+def test_gpu_kv_budget(free, cap, budget, bound):
+    got, source = runner_mod.gpu_kv_budget(free=free, total=80 * GiB, gpu_memory_utilization=0.9,
+                                           reserved=2 * GiB, kv_cache_memory=cap)
+    assert got == budget
+    assert source.startswith(bound + "=")  # the startup log names the setting that sized the cache
+
+
+def fake_cuda_runner(config: EngineConfig) -> runner_mod.ModelRunner:
+    """A ModelRunner as num_blocks_for_budget sees it on a GPU, without one: the arithmetic and the
+    wiring of the config, with torch.cuda.mem_get_info patched by the caller."""
+    r = object.__new__(runner_mod.ModelRunner)
+    model = types.SimpleNamespace(hidden_size=64, config=types.SimpleNamespace(intermediate_size=256),
+                                  parameters=lambda: iter(()), buffers=lambda: iter(()))
+    r.config, r.model, r.device, r.dtype, r.kv_dtype = config, model, torch.device("cuda", 0), torch.float16, torch.float16
+    r.block_size, r.num_layers, r.num_kv_heads, r.head_dim, r.vocab_size = config.block_size, 2, 2, 64, 1000
+    r.loaded = types.SimpleNamespace(max_model_len=1024)
+    return r
+
+
+@pytest.mark.parametrize("cap", [None, 64 << 20, 1 << 40])
+def test_num_blocks_for_budget_on_a_gpu_honours_kv_cache_memory(monkeypatch, cap):
+    total, free = 8 * GiB, 7 * GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (free, total))
+    cfg = EngineConfig(kv_cache_memory=cap, gpu_memory_utilization=0.5, max_num_batched_tokens=256, max_num_seqs=8)
+    r = fake_cuda_runner(cfg)
+    per_block = r.kv_bytes_per_block
+    elem = 2
+    reserved = 256 * (7 * 64 + 3 * 256) * elem + 8 * 1000 * (4 + elem) * 2
+    left = int(total * 0.5) - (total - free) - reserved
+    assert r.num_blocks_for_budget() == math.floor(min(left, cap or left) / per_block)
+
+
+def test_kv_cache_memory_help_and_description_say_gpu_cap():
+    assert "GPU" in ENGINE_FIELDS["kv_cache_memory"].metadata["help"]
+    assert "gpuMemoryUtilization" in engine_props()["kvCacheMemory"]["description"]
