@@ -39,6 +39,7 @@ import torch
 
 from kvpilot.daemon.engine import LLM
 from kvpilot.daemon.engine.models import llama
+from kvpilot.daemon.engine.models.quantization import unquantized
 from kvpilot.daemon.engine.runner import SeqBatchEntry, cpu_threads
 from kvpilot.daemon.engine.sampler import SamplingState
 from kvpilot.daemon.engine.sampling_params import SamplingParams
@@ -91,10 +92,10 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
     model = runner.model
     kinds: dict[int, str] = {id(model.lm_head): "lm_head"}
     for layer in model.layers:
-        kinds[id(layer.qkv_weight)] = "gemm_qkv"
-        kinds[id(layer.o_weight)] = "gemm_o"
-        kinds[id(layer.gate_up_weight)] = "gemm_gate_up"
-        kinds[id(layer.down_weight)] = "gemm_down"
+        kinds[id(layer.qkv_proj.weight)] = "gemm_qkv"
+        kinds[id(layer.o_proj.weight)] = "gemm_o"
+        kinds[id(layer.gate_up_proj.weight)] = "gemm_gate_up"
+        kinds[id(layer.down_proj.weight)] = "gemm_down"
 
     plain_linear = llama.linear
 
@@ -108,9 +109,9 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
         timers.flops[kind] += 2.0 * x.numel() * w.shape[0]
         return out
 
-    saved = (llama.linear, llama._rms_norm, llama.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
+    saved = (llama.linear, unquantized.linear, llama._rms_norm, llama.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
              reference.attend_prefill_chunks, runner._prepare, runner.model.forward)
-    llama.linear = linear
+    llama.linear = unquantized.linear = linear  # the LM head's call, and every projection's
     llama._rms_norm = timers.wrap("norms", llama._rms_norm)
     attn = timers.wrap("attention_call", kernels.paged_attention)
     llama.ops = _Proxy(kernels, paged_attention=attn, store_kv=timers.wrap("kv_store", kernels.store_kv))
@@ -124,7 +125,7 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
     runner.model.forward = timers.wrap("model_forward", runner.model.forward)
 
     def restore() -> None:
-        (llama.linear, llama._rms_norm, llama.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
+        (llama.linear, unquantized.linear, llama._rms_norm, llama.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
          reference.attend_prefill_chunks, runner._prepare, runner.model.forward) = saved
         del runner.model.forward, runner._prepare  # drop the instance attributes: class methods again
 

@@ -60,7 +60,8 @@ def test_a_context_of_what_the_daemon_image_copies_builds_a_wheel(tmp_path: Path
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = out.glob("kvpilot-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("kvpilot/router/__main__.py", "kvpilot/kernels/ops.py", "kvpilot/kernels/csrc/cpu_simd.h", "kvpilot/cli.py", "kvpilot/common/protocol.py",
+    for module in ("kvpilot/router/__main__.py", "kvpilot/kernels/ops.py", "kvpilot/kernels/csrc/cpu_simd.h",
+                   "kvpilot/daemon/engine/models/quantization/unquantized.py", "kvpilot/cli.py", "kvpilot/common/protocol.py",
                    "kvpilot/operator/__main__.py"):
         assert module in names
     assert any(re.fullmatch(r"kvpilot/kernels/csrc/\w+\.c", n) for n in names)

@@ -130,8 +130,8 @@ def test_prepacked_model_matches_dense_model() -> None:
     prompt = [(31 * i + 7) % 40000 + 100 for i in range(small_batch_rows() + 20)]
     packed = LLM(model=MODEL, dtype="float32", max_model_len=1024, small_batch_gemm=cpu_native.available() or None)
     model = packed.engine.runner.model
-    assert model.prepacked and model.lm_head.is_mkldnn and model.layers[0].gate_up_weight.is_mkldnn
-    assert (model.layers[0].gate_up_weight_panels is not None) == cpu_native.available()
+    assert model.prepacked and model.lm_head.is_mkldnn and model.layers[0].gate_up_proj.weight.is_mkldnn
+    assert (model.layers[0].gate_up_proj.panels is not None) == cpu_native.available()
     fast = _logits(packed, prompt)
     del packed
     dense = LLM(model=MODEL, dtype="float32", max_model_len=1024, prepack_weights=False)
@@ -149,8 +149,8 @@ def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytes
     both = LLM(model=MODEL, dtype="float32", max_model_len=256, small_batch_gemm=True)
     model = both.engine.runner.model
     layer = model.layers[0]
-    assert layer.gate_up_weight.is_mkldnn and layer.gate_up_weight_panels is not None
-    assert layer.gate_up_weight_panels.shape == (-(-layer.gate_up_weight.shape[0] // 32), 576, 32)
+    assert layer.gate_up_proj.weight.is_mkldnn and layer.gate_up_proj.panels is not None
+    assert layer.gate_up_proj.panels.shape == (-(-layer.gate_up_proj.weight.shape[0] // 32), 576, 32)
     assert model.lm_head_panels is not None and model.lm_head_panels.shape[0] == -(-model.vocab_size // 32)
     calls: list[int] = []
     real = ops.panel_gemm
@@ -171,7 +171,7 @@ def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytes
     del dense
     packed_only = LLM(model=MODEL, dtype="float32", max_model_len=256, small_batch_gemm=False)
     model = packed_only.engine.runner.model
-    assert model.layers[0].gate_up_weight_panels is None and model.lm_head_panels is None
+    assert model.layers[0].gate_up_proj.panels is None and model.lm_head_panels is None
     # the panels are counted in the weights the memory budget reports: every GEMM weight and the LM head
     gemm_bytes = sum(layer.gemm_weight_bytes() for layer in model.layers) + model.embed_tokens.numel() * 4
     assert with_panels - packed_only.engine.runner.weight_bytes == pytest.approx(gemm_bytes, rel=0.05)
@@ -231,7 +231,7 @@ def test_the_mlp_in_row_slices_gives_the_same_logits(monkeypatch: pytest.MonkeyP
         return real_mlp(self, h)
 
     monkeypatch.setattr(llama.LlamaDecoderLayer, "_mlp", counted)
-    inter = runner.model.layers[0].inter
+    inter = runner.model.layers[0].local_inter
     # "within malloc's reach" shrunk to 5 rows of gate|up output: the 27 rows go in 6 slices of 5 or fewer
     monkeypatch.setattr(host_malloc, "MMAP_THRESHOLD_MAX", 5 * 2 * inter * 4)
     sliced = runner.execute(entries)

@@ -22,7 +22,10 @@ from kvpilot.kernels import ops
 
 from ..host_malloc import row_slices
 from .base import AttentionMetadata, OutputRows
-from .linear import keep_panels, linear, prepack, prepack_supported
+from .linear import Linear, keep_panels, linear, prepack, prepack_supported
+from .parallel import SINGLE, ParallelContext
+from .quantization import QuantMethod, get_quant_method
+from .quantization.unquantized import panels_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +125,8 @@ def rope_inv_freq(config: Any, head_dim: int, max_len: int) -> tuple[torch.Tenso
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: Any, layer_idx: int, *, dtype: torch.dtype, device: torch.device,
+                 quant_method: QuantMethod | None = None, parallel: ParallelContext = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -132,8 +136,6 @@ class LlamaDecoderLayer(nn.Module):
         self.eps = float(config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.inter = inter
 
         model_type = getattr(config, "model_type", "llama")
         attn_bias = bool(getattr(config, "attention_bias", False))
@@ -142,34 +144,29 @@ class LlamaDecoderLayer(nn.Module):
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.sliding_window = _layer_sliding_window(config, layer_idx)
 
-        kw = {"dtype": dtype, "device": device}
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, hidden, **kw)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, **kw) if qkv_bias else None
-        self.o_weight = _param(hidden, self.q_size, **kw)
-        self.o_bias = _param(hidden, **kw) if o_bias else None
-        self.gate_up_weight = _param(2 * inter, hidden, **kw)
-        self.gate_up_bias = _param(2 * inter, **kw) if mlp_bias else None
-        self.down_weight = _param(hidden, inter, **kw)
-        self.down_bias = _param(hidden, **kw) if mlp_bias else None
-        self.input_norm = _param(hidden, **kw)
-        self.post_norm = _param(hidden, **kw)
-        # panel copies of the prepacked GEMM weights, for small steps (see ``linear``); None: not kept
-        for name in _GEMM_WEIGHTS:
-            self.register_buffer(_panels_name(name), None, persistent=False)
+        kw = {"dtype": dtype, "device": device, "quant_method": quant_method, "parallel": parallel}
+        self.qkv_proj = Linear.qkv(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias, **kw)
+        self.o_proj = Linear.row(self.q_size, hidden, bias=o_bias, what="num_attention_heads * head_dim", **kw)
+        self.gate_up_proj = Linear.column(hidden, [inter, inter], bias=mlp_bias, what="intermediate_size", **kw)
+        self.down_proj = Linear.row(inter, hidden, bias=mlp_bias, what="intermediate_size", **kw)
+        # this rank's heads and MLP width (all of them with one rank)
+        self.local_heads = self.qkv_proj.partitions[0][2] // self.head_dim
+        self.local_kv_heads = self.qkv_proj.partitions[1][2] // self.head_dim
+        self.local_inter = self.gate_up_proj.partitions[0][2]
+        self.input_norm = _param(hidden, dtype=dtype, device=device)
+        self.post_norm = _param(hidden, dtype=dtype, device=device)
+
+    def projections(self) -> tuple[Linear, ...]:
+        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
 
     def gemm_weight_bytes(self) -> int:
-        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in _GEMM_WEIGHTS)
+        return sum(proj.weight_bytes() for proj in self.projections())
 
     def prepack_weights(self, keep_panels: bool = False) -> None:
-        """The four GEMM weights become oneDNN-prepacked buffers (see ``linear``), and with
-        ``keep_panels`` panel copies go beside them for steps of a few rows."""
-        for name in _GEMM_WEIGHTS:
-            dense = getattr(self, name)
-            packed = prepack(dense)  # a copy: the dense memory is free to take the panels below
-            panels = _panels_in_place(dense) if keep_panels else None
-            del self._parameters[name]
-            self.register_buffer(name, packed, persistent=False)
-            self.register_buffer(_panels_name(name), panels, persistent=False)
+        """Each projection's weights repacked for the CPU's kernels (see ``linear``), with panel copies
+        beside them for steps of a few rows when ``keep_panels``."""
+        for proj in self.projections():
+            proj.process_weights_after_loading(prepack=True, keep_panels=keep_panels)
 
     def forward(
         self,
@@ -183,14 +180,14 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``[T, hidden]`` → ``[T, hidden]``, or ``[R, hidden]`` for ``output_rows`` (K/V of all T rows are stored)."""
         t = x.shape[0]
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        nh, nkv, hd = self.local_heads, self.local_kv_heads, self.head_dim
 
         # attention
-        qkv = linear(_rms_norm(x, self.input_norm, self.eps), self.qkv_weight, self.qkv_bias, self.qkv_weight_panels)
+        qkv = self.qkv_proj(_rms_norm(x, self.input_norm, self.eps))
         # q and k heads rotated together: one RoPE pass
-        qk = _rotate(qkv[:, : self.q_size + self.kv_size], t, nh + nkv, hd, cos, sin)
+        qk = _rotate(qkv[:, : (nh + nkv) * hd], t, nh + nkv, hd, cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if output_rows is not None:  # the rest only for the rows that are used
             x, q, meta = x.index_select(0, output_rows.rows), q.index_select(0, output_rows.rows), output_rows.meta
@@ -209,44 +206,24 @@ class LlamaDecoderLayer(nn.Module):
             max_context_len=meta.max_context_len,
             sliding_window=self.sliding_window,
         )
-        h = linear(o.reshape(t, self.q_size), self.o_weight, self.o_bias, self.o_weight_panels, residual=x)
+        h = self.o_proj(o.reshape(t, nh * hd), residual=x)
 
         # SwiGLU MLP, on the CPU in slices of rows whose gate|up output stays within malloc's reach: a larger
         # one is a fresh mapping that faults in on every step (a 1B-class model faulted on every 2048-token
         # step without the slices; CHANGELOG.md). SmolLM2's 24 MiB at 2048 rows stays whole.
-        slices = row_slices(t, 2 * self.inter * h.element_size()) if h.device.type == "cpu" else None
+        slices = row_slices(t, 2 * self.local_inter * h.element_size()) if h.device.type == "cpu" else None
         if slices is None:
             return self._mlp(h)
         return torch.cat([self._mlp(h[rows]) for rows in slices])
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         """``h + down(SiLU(gate) * up)`` of the post-attention norm of ``h``."""
-        gu = linear(_rms_norm(h, self.post_norm, self.eps), self.gate_up_weight, self.gate_up_bias,
-                    self.gate_up_weight_panels)
+        gu = self.gate_up_proj(_rms_norm(h, self.post_norm, self.eps))
         act = ops.silu_mul(gu)  # float32/bfloat16 on the CPU: one pass, 2x SiLU-then-multiply
         if act is None:
-            gate, up = gu.split(self.inter, dim=-1)
+            gate, up = gu.split(self.local_inter, dim=-1)
             act = F.silu(gate) * up
-        return linear(act, self.down_weight, self.down_bias, self.down_weight_panels, residual=h)
-
-
-_GEMM_WEIGHTS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-
-
-def _panels_name(weight_name: str) -> str:
-    return f"{weight_name}_panels"
-
-
-def _panels_in_place(dense: torch.Tensor) -> torch.Tensor | None:
-    """``ops.pack_panels`` of a weight nothing reads densely any more, written into the weight's
-    own pages where the sizes match (no padding): they are resident already, and a fresh copy would
-    fault in 400+ MB at start, at 1-3 s per GiB on a VM."""
-    panels = ops.pack_panels(dense.detach())
-    if panels is None or panels.numel() != dense.numel():
-        return panels
-    flat = dense.detach().view(-1)
-    flat.copy_(panels.view(-1))
-    return flat.view(panels.shape)
+        return self.down_proj(act, residual=h)
 
 
 def _layer_sliding_window(config: Any, layer_idx: int) -> int | None:
@@ -271,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
         max_model_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quant_method: QuantMethod | None = None,
+        parallel: ParallelContext = SINGLE,
     ) -> None:
         super().__init__()
         device = torch.device(device)
@@ -289,7 +268,9 @@ class LlamaForCausalLM(nn.Module):
 
         self.embed_tokens = _param(self.vocab_size, self.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype=dtype, device=device) for i in range(self.num_layers)
+            LlamaDecoderLayer(config, i, dtype=dtype, device=device,
+                              quant_method=quant_method or get_quant_method(None), parallel=parallel)
+            for i in range(self.num_layers)
         )
         self.norm = _param(self.hidden_size, **kw)
         self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(self.vocab_size, self.hidden_size, **kw)
@@ -374,7 +355,7 @@ class LlamaForCausalLM(nn.Module):
         packed_head = prepack(head)
         if keep:  # a tied head is the embedding table, which the token lookup still reads densely
             self.lm_head_panels = ops.pack_panels(head.detach()) if self.tie_word_embeddings \
-                else _panels_in_place(head)
+                else panels_in_place(head)
         del self._parameters["lm_head"]  # tied: the embedding stays registered as embed_tokens
         self.register_buffer("lm_head", packed_head, persistent=False)
         self.prepacked = True
@@ -399,11 +380,18 @@ class LlamaForCausalLM(nn.Module):
             if dst is None:
                 skipped.append(name)
                 continue
-            if dst.shape != w.shape:
-                raise RuntimeError(f"{name}: checkpoint shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
             if self.interleaved_rope and (".q_proj." in key or ".k_proj." in key):
                 w = interleave_rope_rows(w, self.head_dim)
-            dst.copy_(w)
+            if isinstance(dst, tuple):  # a linear layer takes its own part of the tensor
+                proj, partition, kind = dst
+                try:
+                    proj.load(kind, w, partition)
+                except RuntimeError as e:
+                    raise RuntimeError(f"{name}: {e}") from None
+            elif dst.shape != w.shape:
+                raise RuntimeError(f"{name}: checkpoint shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
+            else:
+                dst.copy_(w)
             loaded.add(key)
         if skipped:
             logger.warning("ignored %d unknown checkpoint tensors, e.g. %s", len(skipped), skipped[:3])
@@ -417,21 +405,19 @@ class LlamaForCausalLM(nn.Module):
             names.add("lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            names |= {p + s for s in (
-                "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-            )}
-            if layer.qkv_bias is not None:
-                names |= {p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"}
-            if layer.o_bias is not None:
-                names.add(p + "self_attn.o_proj.bias")
-            if layer.gate_up_bias is not None:
-                names |= {p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias", p + "mlp.down_proj.bias"}
+            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+            for proj, checkpoint_names in (
+                (layer.qkv_proj, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                (layer.o_proj, ("self_attn.o_proj",)),
+                (layer.gate_up_proj, ("mlp.gate_proj", "mlp.up_proj")),
+                (layer.down_proj, ("mlp.down_proj",)),
+            ):
+                kinds = (*proj.quant_method.checkpoint_names(), *(("bias",) if proj.bias is not None else ()))
+                names |= {f"{p}{module}.{kind}" for module in checkpoint_names for kind in kinds}
         return names
 
-    def _dst(self, key: str) -> torch.Tensor | None:
-        """The (slice of the) parameter a checkpoint tensor goes to."""
+    def _dst(self, key: str) -> torch.Tensor | tuple[Linear, int, str] | None:
+        """The parameter a checkpoint tensor goes to, or the linear layer, partition and tensor kind."""
         if key == "embed_tokens.weight":
             return self.embed_tokens.data
         if key == "norm.weight":
@@ -443,25 +429,19 @@ class LlamaForCausalLM(nn.Module):
             return None
         layer: LlamaDecoderLayer = self.layers[int(parts[1])]  # type: ignore[assignment]
         sub, kind = ".".join(parts[2:-1]), parts[-1]
-        qs, kvs, inter = layer.q_size, layer.kv_size, layer.inter
-        fused = {
-            "self_attn.q_proj": ("qkv", 0, qs),
-            "self_attn.k_proj": ("qkv", qs, qs + kvs),
-            "self_attn.v_proj": ("qkv", qs + kvs, qs + 2 * kvs),
-            "mlp.gate_proj": ("gate_up", 0, inter),
-            "mlp.up_proj": ("gate_up", inter, 2 * inter),
+        projections = {
+            "self_attn.q_proj": (layer.qkv_proj, 0),
+            "self_attn.k_proj": (layer.qkv_proj, 1),
+            "self_attn.v_proj": (layer.qkv_proj, 2),
+            "self_attn.o_proj": (layer.o_proj, 0),
+            "mlp.gate_proj": (layer.gate_up_proj, 0),
+            "mlp.up_proj": (layer.gate_up_proj, 1),
+            "mlp.down_proj": (layer.down_proj, 0),
         }
-        plain = {
-            "self_attn.o_proj": "o",
-            "mlp.down_proj": "down",
-        }
-        if sub in fused:
-            base, lo, hi = fused[sub]
-            t = getattr(layer, f"{base}_{kind}", None)
-            return None if t is None else t.data[lo:hi]
-        if sub in plain:
-            t = getattr(layer, f"{plain[sub]}_{kind}", None)
-            return None if t is None else t.data
+        if sub in projections:
+            proj, partition = projections[sub]
+            known = proj.quant_method.checkpoint_names() + (("bias",) if proj.bias is not None else ())
+            return (proj, partition, kind) if kind in known else None
         if sub == "input_layernorm" and kind == "weight":
             return layer.input_norm.data
         if sub == "post_attention_layernorm" and kind == "weight":
