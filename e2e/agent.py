@@ -2,8 +2,9 @@
 
 - node: registers a Node (Ready, with capacity and a taint) and keeps its heartbeat;
 - scheduler: binds the namespace's pending Pods that fit the node, through pods/NAME/binding;
-- kubelet: runs each bound pod's container as a real process (`kvpilot serve` with the pod's args) on the
-  pod's own loopback address, 127.0.0.2, 127.0.0.3, ...; probes /ready and /health and writes podIP, the
+- kubelet: runs each bound pod's container as a real process (`kvpilot serve` with the pod's args) in the
+  pod's network (netns.py): a network namespace of its own with a 198.18.x address, as a CNI plugin gives
+  it, or, where namespaces cannot be made, its own loopback address 127.0.0.2, .3, ...; probes /ready and /health and writes podIP, the
   conditions and containerStatuses through pods/status; restarts a container that dies (restartCount,
   lastState); on deletion (deletionTimestamp) runs the preStop hook, sends SIGTERM, waits out the grace
   period, then SIGKILL, and only then deletes the Pod with grace 0, as a kubelet does;
@@ -24,7 +25,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,8 +34,8 @@ from typing import Any
 
 import aiohttp
 
+from . import netns, podcreds, procs
 from . import node as nodes
-from . import podcreds, procs
 from .cluster import NODES, Kube, condition, deployments, now_iso, pods, terminating
 from .endpointslices import EndpointSliceController
 from .replicaset import ReplicaSets
@@ -87,6 +87,7 @@ class Container:
     pre_stop: list[str] | None
     readiness: Probe
     liveness: Probe
+    net: netns.Attachment | None = None
     proc: subprocess.Popen | None = None
     restarts: int = 0
     ready: bool = False
@@ -111,16 +112,6 @@ class Container:
         return f"http://{self.ip}:{self.port}"
 
 
-def _port_free(ip: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((ip, port))
-        except OSError:
-            return False
-    return True
-
-
 def _cpu_threads(container: dict[str, Any]) -> int:
     """Threads for torch from the container's CPU limit, as a cgroup quota would allow."""
     raw = str(((container.get("resources") or {}).get("limits") or {}).get("cpu", "1"))
@@ -136,7 +127,8 @@ def _expand(arg: str, env: dict[str, str]) -> str:
 class NodeAgent:
     def __init__(self, kube: Kube, namespace: str, workdir: Path, clock: Any = time.monotonic,
                  node_env: dict[str, str] | None = None, period: float = 0.5,
-                 node: nodes.NodeSpec | None = None, replicasets: bool = True) -> None:
+                 node: nodes.NodeSpec | None = None, replicasets: bool = True,
+                 network: netns.PodNetwork | None = None) -> None:
         self.kube = kube
         self.ns = namespace
         self.workdir = workdir
@@ -149,7 +141,7 @@ class NodeAgent:
         self.containers: dict[str, Container] = {}
         self.events: list[Event] = []
         self._http: aiohttp.ClientSession | None = None
-        self._ip_counter = 2
+        self.network: netns.PodNetwork = network or netns.LoopbackNetwork()
         self._bin = Path(sys.executable).parent
         self._unschedulable: dict[str, str] = {}  # pod -> why, as last written
         self.errors: list[str] = []
@@ -236,6 +228,11 @@ class NodeAgent:
             creds = await podcreds.mount(self.kube, pod, self.workdir / "pods" / name)
             c = self._make_container(pod, creds)
             self.containers[name] = c
+            if creds and c.net is not None:  # the pod calls the API at its kubeconfig's address
+                try:
+                    await self.network.bridge_api(c.net, self.kube.url)
+                except Exception as e:  # noqa: BLE001 - the container still starts; its API calls then fail
+                    self.errors.append(f"API bridge of {name}: {type(e).__name__}: {e}")
             self._start(c)
             c.probe_task = asyncio.create_task(self._kubelet(c))
             await self._write_status(c, pod)
@@ -255,22 +252,13 @@ class NodeAgent:
             return
         await self._write_status(c, pod)
 
-    def _alloc_ip(self, port: int) -> str:
-        used = {c.ip for c in self.containers.values() if not c.gone}
-        for _ in range(250):
-            n = self._ip_counter
-            self._ip_counter = 2 if self._ip_counter >= 254 else self._ip_counter + 1
-            ip = f"127.0.0.{n}"
-            if ip not in used and _port_free(ip, port):
-                return ip
-        raise RuntimeError(f"no free loopback address with port {port} free")
-
     def _make_container(self, pod: dict[str, Any], creds: dict[str, str] | None = None) -> Container:
         name = pod["metadata"]["name"]
         spec = pod["spec"]
         ctr = spec["containers"][0]
         port = next((p["containerPort"] for p in ctr.get("ports", []) if p.get("name") == "http"), 8000)
-        ip = self._alloc_ip(port)
+        net = self.network.attach(name, port)  # the pod sandbox: kept across restarts, gone with the pod
+        ip = net.ip
         poddir = self.workdir / "pods" / name
         mounts = {}
         for m in ctr.get("volumeMounts", []):
@@ -300,11 +288,11 @@ class NodeAgent:
         if "/" not in command[0] and (self._bin / command[0]).exists():
             command[0] = str(self._bin / command[0])  # the image's entrypoint is our venv's script
         args = [_expand(a, full_env) for a in ctr.get("args", [])]
-        # A pod's 0.0.0.0 is its own network namespace; here it is its own loopback address.
+        # A pod's 0.0.0.0 is its own network; its address there says so in the logs the tests read.
         args = [ip if (i > 0 and args[i - 1] == "--host") else a for i, a in enumerate(args)]
         pre_stop = (((ctr.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
         return Container(pod=name, uid=pod["metadata"].get("uid", ""), name=ctr.get("name", "main"),
-                         image=ctr.get("image", ""), ip=ip, port=port, argv=command + args, env=full_env,
+                         image=ctr.get("image", ""), ip=ip, net=net, port=port, argv=command + args, env=full_env,
                          log_path=poddir / "daemon.log", grace=float(spec.get("terminationGracePeriodSeconds", 30)),
                          pre_stop=list(pre_stop) if pre_stop else None,
                          readiness=_probe(ctr, "readinessProbe", "/ready"),
@@ -313,7 +301,7 @@ class NodeAgent:
     def _start(self, c: Container) -> None:
         with open(c.log_path, "a") as f:
             f.write(f"--- start #{c.restarts} at {now_iso()}: {' '.join(c.argv)}\n")
-        c.proc = procs.spawn(c.argv, c.env, c.log_path)
+        c.proc = procs.spawn(self._wrap(c, c.argv), c.env, c.log_path)
         c.started_at = self.clock()
         c.ready = False
         c.was_ready = False
@@ -408,7 +396,7 @@ class NodeAgent:
         start = self.clock()
         try:
             if c.proc is not None and c.proc.poll() is None and grace > 0 and c.pre_stop:
-                hook = procs.spawn(c.pre_stop, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                hook = procs.spawn(self._wrap(c, c.pre_stop), {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                                    c.log_path.with_name("prestop.log"))
                 self._record(c.pod, "prestop", {"command": c.pre_stop})
                 while hook.poll() is None and self.clock() - start < grace:
@@ -437,6 +425,19 @@ class NodeAgent:
                     await self._final_delete(c.pod, c.uid)
             finally:
                 c.gone = True  # after the final delete: "gone" means the Pod is released too
+                self._release(c)
+
+    def _wrap(self, c: Container, argv: list[str]) -> list[str]:
+        return c.net.wrap(argv) if c.net is not None else list(argv)
+
+    def _release(self, c: Container) -> None:
+        """The pod's network goes with it (its namespace, link and route)."""
+        if c.net is not None:
+            net, c.net = c.net, None
+            try:
+                self.network.detach(net)
+            except Exception as e:  # noqa: BLE001 - the run's close sweeps what is left
+                self.errors.append(f"network of {c.pod}: {type(e).__name__}: {e}")
 
     async def _final_status(self, c: Container) -> None:
         """The container's end, written before the Pod goes (what `kubectl get -w` shows last)."""
@@ -483,6 +484,8 @@ class NodeAgent:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     await asyncio.to_thread(c.proc.wait, 10)
                 procs.forget(c.proc)
+        for c in self.containers.values():
+            self._release(c)
 
     # ------------------------------------------------------------------ views for the test
 

@@ -33,3 +33,12 @@ def e2e_run(tmp_path_factory: pytest.TempPathFactory) -> Report:
              "kvpilot e2e: replicas and KV-cache usage")
     print(f"\ne2e run: {report.wall_s:.0f}s, workdir {workdir}, phases {report.done}, errors {list(report.errors)}")
     return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The pod network the runs used (netns.py), once at the end, where -q does not hide it."""
+    from . import netns
+
+    if netns.chosen() is not None:
+        mode, why = netns.chosen()  # type: ignore[misc]
+        terminalreporter.write_line(f"e2e pod network: {mode} ({why})")

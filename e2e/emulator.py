@@ -6,7 +6,11 @@ agent relies on:
   it with a finalizer of the emulator's own (HOLD); the kubelet's DELETE with gracePeriodSeconds 0 then
   removes it;
 - POST serviceaccounts/NAME/token (a TokenRequest, what a kubelet asks for a pod's projected token) answers
-  with a token for an existing ServiceAccount, 404 otherwise. The emulator checks no token: any is fine.
+  with a token for an existing ServiceAccount, 404 otherwise. The emulator checks no token: any is fine;
+- EndpointSlice writes are refused (422) with an address a real API server refuses there: not an IP of the
+  slice's addressType, unspecified, loopback, link-local (unicast or multicast). `loopback_endpoints=True`
+  lets 127.0.0.0/8 through, for the pod network's loopback mode only (netns.py), where pods have no other
+  address.
 
 kmock itself serves neither (a POST to a named object is no action it knows, and a DELETE without
 finalizers removes the object at once).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,6 +39,36 @@ HOLD = "e2e.kvpilot.io/graceful-deletion"
 class Conflict(kmock.KubernetesError):
     status: int = 409
     reason: str = "Conflict"
+
+
+def endpoint_address_errors(obj: Any, loopback_ok: bool = False) -> list[str]:
+    """What kube-apiserver's EndpointSlice validation says of the slice's addresses (ValidateEndpointIP):
+    each must be an IP of the addressType, and not unspecified, loopback or link-local."""
+    if not isinstance(obj, dict):
+        return []
+    kind = obj.get("addressType", "IPv4")
+    errors = []
+    for i, ep in enumerate(obj.get("endpoints") or []):
+        for j, raw in enumerate((ep or {}).get("addresses") or []):
+            where = f"endpoints[{i}].addresses[{j}]"
+            try:
+                ip = ipaddress.ip_address(raw)
+            except ValueError:
+                errors.append(f"{where}: Invalid value: {raw!r}: must be a valid IP address")
+                continue
+            if kind in ("IPv4", "IPv6") and f"IPv{ip.version}" != kind:
+                errors.append(f"{where}: Invalid value: {raw!r}: must be an {kind} address")
+            if ip.is_unspecified:
+                errors.append(f"{where}: Invalid value: {raw!r}: may not be unspecified")
+            if ip.is_loopback and not loopback_ok:
+                errors.append(f"{where}: Invalid value: {raw!r}: may not be in the loopback range "
+                              "(127.0.0.0/8, ::1/128)")
+            if ip.is_link_local:
+                errors.append(f"{where}: Invalid value: {raw!r}: may not be in the link-local range "
+                              "(169.254.0.0/16, fe80::/10)")
+            if ip.is_multicast and (ip in ipaddress.ip_network("224.0.0.0/24") or str(ip).startswith("ff02:")):
+                errors.append(f"{where}: Invalid value: {raw!r}: may not be in the link-local multicast range")
+    return errors
 
 
 def _grace(request: Any, obj: dict[str, Any]) -> int:
@@ -66,8 +101,16 @@ class Emulator(kmock.KubernetesEmulator):
         finally:
             inflight.remove(request)
 
+    loopback_endpoints = False  # see the module doc: set for the loopback pod network only
+
     async def _pods_or_default(self, request: Any) -> Any:
         res = request.resource
+        if (res is not None and res.plural == "endpointslices" and not request.subresource
+                and request.method in (kmock.method.POST, kmock.method.PUT, kmock.method.PATCH)):
+            errors = endpoint_address_errors(request.data, self.loopback_endpoints)
+            if errors:
+                raise kmock.KubernetesError(status=422, reason="Invalid", details={},
+                                            message=f"EndpointSlice is invalid: {'; '.join(errors)}")
         if (res is not None and res.plural == "serviceaccounts" and request.name
                 and request.method == kmock.method.POST and request.subresource == "token"):
             return await self._token(request)
@@ -148,9 +191,10 @@ class Emulator(kmock.KubernetesEmulator):
 
 
 @contextlib.asynccontextmanager
-async def emulator() -> AsyncIterator[Kube]:
+async def emulator(loopback_endpoints: bool = False) -> AsyncIterator[Kube]:
     """The emulator on a free port of 127.0.0.1, with our resources declared."""
     emu = Emulator()
+    emu.loopback_endpoints = loopback_endpoints
     for key, info in RESOURCES.items():
         emu.resources[key] = info
     async with emu, kmock.Server(emu) as server, aiohttp.ClientSession() as session:

@@ -102,6 +102,7 @@ class Report(Phases):
     cr_after_rollout: dict[str, Any] | None = None
     real_cluster: bool = False
     node: str | None = None
+    pod_network: str | None = None  # netns or loopback (netns.py)
     expected: dict[str, Any] | None = None
     reference_error: str | None = None
     monitor: Monitor | None = None
@@ -125,7 +126,7 @@ class Report(Phases):
             "pods": {"first": self.first_pod, "new": self.new_pod, "killed": self.killed_pod,
                      "removed": self.removed_pod, "rollout_old": self.rollout_old_pod,
                      "rollout_new": self.rollout_new_pod},
-            "real_cluster": self.real_cluster, "node": self.node, "namespace": self.config.namespace,
+            "real_cluster": self.real_cluster, "node": self.node, "pod_network": self.pod_network, "namespace": self.config.namespace,
             "load": ld.summary(self.expected) if ld else None,
             "requests": requests_json(self.t0, ld.records) if ld else [],
             "wall_s": self.wall_s,
@@ -268,11 +269,11 @@ async def run(cfg: Config) -> Report:
         async with open_target(cfg.workdir, cfg.namespace, node_capacity(cfg)) as target:
             kube = target.kube
             cfg.namespace = target.namespace  # a cluster run has a namespace of its own
-            rep.real_cluster, rep.node = target.real, target.node.name
+            rep.real_cluster, rep.node, rep.pod_network = target.real, target.node.name, target.network.mode
             operator = start_operator(cfg.workdir, target)
             # On a cluster the controller-manager runs the ReplicaSets; on the emulator the agent does.
             agent = NodeAgent(kube, cfg.namespace, cfg.workdir, node=target.node, replicasets=not target.real,
-                              node_env={"KVPILOT_CACHE_DIR": str(node_model_cache())})
+                              node_env={"KVPILOT_CACHE_DIR": str(node_model_cache())}, network=target.network)
             load = LoadGenerator(lambda: monitor.endpoints())
             monitor = Monitor(kube, cfg.namespace, cfg.name, load, table_every=cfg.table_every)
             rep.agent, rep.load, rep.monitor = agent, load, monitor

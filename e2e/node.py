@@ -1,6 +1,6 @@
 """The agent's Node: its object (registered, Ready, heartbeat), and the scheduler's fit check and bind.
 
-The node is a loopback node: its pods are processes on this machine, each on its own 127.0.0.x. Its
+The node is this machine: its pods are processes here, each in its own network (netns.py). Its
 capacity is what the run declares (enough for its pods), not the machine's; that is the scheduler's only
 use of it. A taint keeps other workloads off it, and the e2e's pods carry the nodeSelector and toleration
 that lead them to it, so a cluster's own scheduler (kind, k3s) binds them here too.

@@ -1,8 +1,8 @@
 """The router scenario: routing across replicas and scale from zero, acted out with real parts.
 
 An InferenceDeployment with `spec.router.enabled` and `autoscaling.minReplicas: 0`: the operator deploys the
-router (two `python -m kvpilot.router` pods, which the node agent runs as real processes on their loopback
-addresses) and puts the daemons behind the headless Service `<name>-daemons`, whose EndpointSlices the
+router (two `python -m kvpilot.router` pods, which the node agent runs as real processes in their own
+network namespaces, or on loopback addresses where none can be made; see netns.py) and puts the daemons behind the headless Service `<name>-daemons`, whose EndpointSlices the
 routers watch. Phases, each recorded into a `Report`:
 
 1. deploy: the router pods Ready and found through the user-facing Service's EndpointSlices; the first
@@ -15,7 +15,9 @@ routers watch. Phases, each recorded into a `Report`:
    (or complete), never silently truncated;
 5. back-to-zero: the load stops; after the idle period the daemons go to zero again.
 
-On the emulator the node agent also plays the EndpointSlice controller; see `cluster_limit` for a cluster.
+On the emulator the node agent also plays the EndpointSlice controller; on a cluster the endpoints controller
+writes the slices from the pods' 198.18.x addresses. The router pods carry the e2e node's nodeSelector and
+toleration through spec.router, so a cluster's scheduler places them there too. See `cluster_limit`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator import crd
 
-from . import procs, workload
+from . import netns, procs, workload
 from .agent import NodeAgent
 from .cluster import Kube, deployments, endpointslices, services
 from .endpointslices import SERVICE_NAME_LABEL
@@ -63,13 +65,16 @@ ROUTER_RESOURCES = {"cpu": "500m", "memory": "512Mi"}
 
 
 def cluster_limit() -> str | None:
-    """Why this scenario cannot run on the cluster of E2E_KUBECONFIG (None on the emulator)."""
+    """Why this scenario cannot run on the cluster of E2E_KUBECONFIG (None on the emulator, and on a cluster
+    where the pods get network namespaces)."""
     if not os.environ.get(ENV):
         return None
+    mode, why = netns.choose()
+    if mode == "netns":
+        return None
     return ("the router scenario needs the daemons' EndpointSlices, and the API server refuses loopback "
-            "addresses in them (the daemons serve on 127.0.0.x here); and the router pods carry no toleration "
-            "for the e2e node's taint (spec.router has no scheduling fields), so a cluster schedules them "
-            "elsewhere. It runs on the kmock emulator.")
+            f"addresses in them; this machine cannot give the pods addresses of their own ({why}). Run it as "
+            "root with `ip` (iproute2), or on the kmock emulator.")
 
 
 @dataclass
@@ -111,6 +116,7 @@ class Report(Phases):
     load: LoadGenerator | None = None
     routers: RouterView | None = None
     leftover_pids: list[int] = field(default_factory=list)
+    pod_network: str | None = None  # netns or loopback (netns.py)
     wall_s: float = 0.0
 
     def records(self, phase: str | None = None) -> list[Record]:
@@ -125,7 +131,7 @@ class Report(Phases):
                    for s in (self.load.streams if self.load else [])]
         data = {**timeline_json(t0, self.marks, self.monitor, self.agent), "errors": self.errors,
                 "done": self.done, "namespace": self.config.namespace, "router_pods": self.router_pods,
-                "killed_pod": self.killed_pod, "router_gauges": self.router_gauges, "streams": streams,
+                "killed_pod": self.killed_pod, "pod_network": self.pod_network, "router_gauges": self.router_gauges, "streams": streams,
                 "requests": requests_json(t0, self.load.records) if self.load else [], "wall_s": self.wall_s}
         path.write_text(json.dumps(data, indent=1, default=str))
 
@@ -136,6 +142,8 @@ def router_cr(cfg: Config, node: NodeSpec | None = None) -> dict[str, Any]:
     spec = cr["spec"]
     spec["autoscaling"].update({"minReplicas": 0, "maxReplicas": 1, "scaleToZeroAfterSeconds": cfg.scale_to_zero_after})
     spec["router"] = {"enabled": True, "mode": "builtin", "replicas": 2, "resources": dict(ROUTER_RESOURCES)}
+    if node is not None:  # the routers' own scheduling fields: the daemons' are not copied to them
+        spec["router"].update(nodeSelector=node.selector(), tolerations=[node.toleration()])
     errors = crd.validate(cfg.name, crd.default_spec(copy.deepcopy(spec)))
     if errors:
         raise ValueError(f"the router e2e CR is invalid: {errors}")
@@ -326,7 +334,7 @@ class _Scenario:
 
 
 async def run(cfg: Config) -> Report:
-    """The scenario on the emulator; teardown always happens. See `cluster_limit` for a cluster."""
+    """The scenario on the emulator or a cluster; teardown always happens. See `cluster_limit`."""
     why = cluster_limit()
     if why is not None:
         raise RuntimeError(why)
@@ -334,8 +342,7 @@ async def run(cfg: Config) -> Report:
     rep = Report(config=cfg)
     start = time.monotonic()
     try:
-        # The router pods cannot tolerate the node's taint; on the emulator nothing else could land there.
-        async with open_target(cfg.workdir, cfg.namespace, node_capacity(cfg), emulator_taint=False) as target, \
+        async with open_target(cfg.workdir, cfg.namespace, node_capacity(cfg)) as target, \
                 aiohttp.ClientSession() as http:
             cfg.namespace = target.namespace
             await _run_on(cfg, rep, target.kube, target, http)
@@ -351,7 +358,8 @@ async def _run_on(cfg: Config, rep: Report, kube: Kube, target: Any, http: aioht
     operator = start_operator(cfg.workdir, target)
     stop_bg = asyncio.Event()
     agent = NodeAgent(kube, cfg.namespace, cfg.workdir, node=target.node, replicasets=not target.real,
-                      node_env={"KVPILOT_CACHE_DIR": str(node_model_cache())})
+                      node_env={"KVPILOT_CACHE_DIR": str(node_model_cache())}, network=target.network)
+    rep.pod_network = target.network.mode
     routers = RouterView(kube, cfg.namespace, cfg.name, http)
     load = LoadGenerator(routers.endpoints)
     monitor = Monitor(kube, cfg.namespace, cfg.name, load, table_every=cfg.table_every, held=routers.held)

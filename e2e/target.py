@@ -3,6 +3,10 @@
 On a cluster the run needs an API server and a controller-manager, nothing else: the node agent is the
 only node. It installs the CRD when the cluster lacks it, works in a namespace of its own, and removes
 what it created (the namespace, its Node, the CRD only if it installed it).
+
+Both get the run's pod network (netns.py): a network namespace per pod where this machine can make them,
+else loopback addresses, which only the emulator accepts in EndpointSlices (a real API server refuses
+them), so on a cluster the router scenario needs namespaces (`router_scenario.cluster_limit`).
 """
 
 from __future__ import annotations
@@ -12,14 +16,14 @@ import contextlib
 import os
 import secrets
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
 from kvpilot.operator.kube import KubeApiError
 
-from . import kubeconfig
+from . import kubeconfig, netns
 from .agent import NODE_NAME
 from .cluster import (
     CRD_NAME,
@@ -48,24 +52,29 @@ class Target:
     real: bool
     namespace: str
     node: NodeSpec
+    network: netns.PodNetwork = field(default_factory=netns.LoopbackNetwork)
     installed_crd: bool = False
 
 
 @contextlib.asynccontextmanager
-async def open_target(workdir: Path, namespace: str, capacity: dict[str, str],
-                      emulator_taint: bool = True) -> AsyncIterator[Target]:
-    """The cluster of E2E_KUBECONFIG, else the emulator. `emulator_taint=False` registers the emulator's node
-    without its taint, for pods that cannot carry the toleration (nothing else runs there); a cluster's node
-    always has it."""
+async def open_target(workdir: Path, namespace: str, capacity: dict[str, str]) -> AsyncIterator[Target]:
+    """The cluster of E2E_KUBECONFIG, else the emulator; with the run's pod network, removed at the end."""
     path = os.environ.get(ENV)
-    if path:
-        async with cluster(Path(path), namespace, capacity) as t:
-            yield t
-        return
-    async with emulator() as kube:
-        await kube.apply_crd()
-        yield Target(kube, write_kubeconfig(workdir / "kubeconfig", kube.url), False, namespace,
-                     NodeSpec(NODE_NAME, capacity, tainted=emulator_taint))
+    network = netns.open_network()
+    try:
+        if path:
+            async with cluster(Path(path), namespace, capacity) as t:
+                t.network = network
+                yield t
+            return
+        # The emulator refuses loopback addresses in EndpointSlices, as a real API server does, unless the
+        # pods have no other (loopback mode).
+        async with emulator(loopback_endpoints=network.mode == "loopback") as kube:
+            await kube.apply_crd()
+            yield Target(kube, write_kubeconfig(workdir / "kubeconfig", kube.url), False, namespace,
+                         NodeSpec(NODE_NAME, capacity), network)
+    finally:
+        network.close()
 
 
 async def preflight(kube: Kube, path: Path) -> dict:

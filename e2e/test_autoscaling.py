@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from . import netns
 from .cluster import condition
 from .lifecycle import Report
 from .load import is_correct
@@ -51,9 +52,9 @@ def test_1_apply_cr_one_pod_ready_and_status(e2e_run: Report) -> None:
     assert _flag(args, "--max-num-seqs") == "4" and _flag(args, "--dtype") == "float32"
     assert _flag(args, "--num-kv-blocks") == "16" and _flag(args, "--max-queued-requests") == "8"
 
-    # The pod is a real daemon on its own loopback address, started with those args.
+    # The pod is a real daemon on its own address (its network namespace's, or a loopback one), with those args.
     c = r.agent.containers[r.first_pod]
-    assert c.ip.startswith("127.0.0.") and c.ip != "127.0.0.1"
+    assert netns.is_pod_address(c.ip, r.pod_network), (c.ip, r.pod_network)
     listening = [x for x in r.daemon_log_records(r.first_pod) if x.get("msg") == "listening"]
     assert listening and listening[0]["host"] == c.ip and listening[0]["port"] == 8000
     smoke = r.records("smoke")

@@ -64,21 +64,21 @@ async def test_slices_follow_the_pods_as_the_controller_writes_them() -> None:
         await kube.create(services(NS), service())
         [empty] = await sync(kube, ctl)  # a Service that selects nothing keeps one empty slice
         assert empty["endpoints"] == [] and empty["metadata"]["labels"][MANAGED_BY_LABEL]
-        await add_pod(kube, "a", "127.0.0.2", ready=True)
-        await add_pod(kube, "b", "127.0.0.3", ready=False)
+        await add_pod(kube, "a", "198.18.7.2", ready=True)
+        await add_pod(kube, "b", "198.18.7.3", ready=False)
         await add_pod(kube, "c", None, ready=False)  # no IP yet: not an endpoint
-        await add_pod(kube, "other", "127.0.0.9", ready=True, app="db")
+        await add_pod(kube, "other", "198.18.7.9", ready=True, app="db")
         [s] = await sync(kube, ctl)
         assert s["addressType"] == "IPv4"
         assert s["ports"] == [{"name": "http", "port": 8000, "protocol": "TCP"}]  # the named targetPort
-        assert [e["addresses"] for e in s["endpoints"]] == [["127.0.0.2"], ["127.0.0.3"]]
+        assert [e["addresses"] for e in s["endpoints"]] == [["198.18.7.2"], ["198.18.7.3"]]
         assert conditions(s) == {"a": {"ready": True, "serving": True, "terminating": False},
                                  "b": {"ready": False, "serving": False, "terminating": False}}
         writes = ctl.writes
         await sync(kube, ctl)
         assert ctl.writes == writes, "a pass with nothing new wrote anyway"
 
-        await set_pod(kube, "b", "127.0.0.3", ready=True)
+        await set_pod(kube, "b", "198.18.7.3", ready=True)
         await kube.delete(f"{pods(NS)}/a")  # bound: only marked, as the API server does
         [s] = await sync(kube, ctl)
         assert conditions(s)["a"] == {"ready": False, "serving": True, "terminating": True}
@@ -92,8 +92,8 @@ async def test_pods_resolving_the_port_differently_get_slices_of_their_own() -> 
     async with emulator() as kube:
         ctl = EndpointSliceController(kube, NS)
         await kube.create(services(NS), service())
-        await add_pod(kube, "a", "127.0.0.2", ready=True, port=8000)
-        await add_pod(kube, "b", "127.0.0.3", ready=True, port=9000)
+        await add_pod(kube, "a", "198.18.7.2", ready=True, port=8000)
+        await add_pod(kube, "b", "198.18.7.3", ready=True, port=9000)
         got = {s["ports"][0]["port"]: [e["targetRef"]["name"] for e in s["endpoints"]] for s in await sync(kube, ctl)}
         assert got == {8000: ["a"], 9000: ["b"]}
 
@@ -118,18 +118,38 @@ async def test_a_pod_of_a_service_account_gets_a_token_and_the_router_discovers_
         assert client.host == kube.url and client._headers() == {"Authorization": f"Bearer {token}"}  # noqa: SLF001
         ctl = EndpointSliceController(kube, NS)
         await kube.create(services(NS), service())
-        await add_pod(kube, "a", "127.0.0.2", ready=False)
+        await add_pod(kube, "a", "198.18.7.2", ready=False)
         found = EndpointSet()
         watcher = asyncio.create_task(SliceWatcher(client, NS, "web", found, port_name="http").run())
         try:
             await sync(kube, ctl)
             await asyncio.sleep(0.5)
             assert found.all() == []  # not ready: not routed to
-            await set_pod(kube, "a", "127.0.0.2", ready=True)
+            await set_pod(kube, "a", "198.18.7.2", ready=True)
             await sync(kube, ctl)
             await until(lambda: found.all(), 5, "the router sees the ready pod")
-            assert [(e.name, e.url) for e in found.all()] == [("a", "http://127.0.0.2:8000")]
+            assert [(e.name, e.url) for e in found.all()] == [("a", "http://198.18.7.2:8000")]
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
             await client.close()
+
+
+async def test_the_emulator_refuses_loopback_addresses_as_an_api_server_does() -> None:
+    """A real API server refuses loopback and link-local addresses in EndpointSlices; so does the emulator,
+    unless the run's pods have nothing else (the loopback pod network)."""
+    body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+            "metadata": {"name": "s", "namespace": NS, "labels": {SERVICE_NAME_LABEL: "web"}},
+            "endpoints": [{"addresses": ["127.0.0.2"]}], "ports": [{"name": "http", "port": 8000}]}
+    async with emulator() as kube:
+        with pytest.raises(KubeApiError) as e:
+            await kube.create(endpointslices(NS), body)
+        assert e.value.status == 422 and "loopback" in str(e.value)
+        body["endpoints"] = [{"addresses": ["198.18.7.2"]}]
+        await kube.create(endpointslices(NS), body)
+        with pytest.raises(KubeApiError) as e:
+            await kube.patch(f"{endpointslices(NS)}/s", {"endpoints": [{"addresses": ["169.254.1.1"]}]})
+        assert e.value.status == 422 and "link-local" in str(e.value)
+    async with emulator(loopback_endpoints=True) as kube:
+        body["endpoints"] = [{"addresses": ["127.0.0.2"]}]
+        await kube.create(endpointslices(NS), body)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from . import procs
+from . import netns, procs
 from .agent import NodeAgent
 from .cluster import NODES, condition, deployments, pod_ready, pods
 from .emulator import emulator
@@ -51,8 +51,9 @@ def test_fit_check_selector_taint_and_resources() -> None:
 
 async def test_node_binds_runs_and_deletes_like_a_kubelet(tmp_path: Path) -> None:
     stop = asyncio.Event()
+    network = netns.open_network()  # the run's pod network, as on a cluster: a namespace per pod where possible
     async with emulator() as kube:
-        agent = NodeAgent(kube, NS, tmp_path, node=NODE, replicasets=False)
+        agent = NodeAgent(kube, NS, tmp_path, node=NODE, replicasets=False, network=network)
         task = asyncio.create_task(agent.run(stop))
         try:
             node = await until(lambda: kube.get(f"{NODES}/{NODE.name}"), 10, "the Node is registered")
@@ -65,8 +66,12 @@ async def test_node_binds_runs_and_deletes_like_a_kubelet(tmp_path: Path) -> Non
             await kube.create(pods(NS), pod("elsewhere", nodeSelector={"disk": "ssd"}))
             p = await until(lambda: _pod_ready(kube, "fits"), 30, "the pod is bound, started and Ready")
             assert p["spec"]["nodeName"] == NODE.name and condition(p, "PodScheduled")["status"] == "True"
-            assert p["status"]["podIP"].startswith("127.0.0.") and p["status"]["podIPs"] == [
+            assert netns.is_pod_address(p["status"]["podIP"], network.mode) and p["status"]["podIPs"] == [
                 {"ip": p["status"]["podIP"]}]
+            att = agent.containers["fits"].net
+            assert att is not None and att.ip == p["status"]["podIP"]
+            if network.mode == "netns":  # the pod's sandbox: a namespace and a host link of its own
+                assert att.netns in netns.netns_names() and att.link in netns.link_names()
             cs = p["status"]["containerStatuses"][0]
             assert cs["name"] == "web" and cs["ready"] and cs["restartCount"] == 0 and "running" in cs["state"]
             assert [e.what for e in agent.events_of("fits")][:3] == ["bound", "started", "ready"]
@@ -85,9 +90,12 @@ async def test_node_binds_runs_and_deletes_like_a_kubelet(tmp_path: Path) -> Non
             steps = [e.what for e in agent.events_of("fits")]
             assert steps[-5:] == ["terminating", "prestop", "sigterm", "exited", "removed"], steps
             assert agent.containers["fits"].exit_code == 0
+            if network.mode == "netns":  # its network went with it
+                assert att.netns not in netns.netns_names() and att.link not in netns.link_names()
         finally:
             stop.set()
             await asyncio.wait_for(task, 30)
+            network.close()
         assert await kube.get(f"{NODES}/{NODE.name}") is None  # the node leaves with the agent
     assert not procs.live()
 

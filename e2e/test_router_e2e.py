@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from . import netns
 from .cluster import condition
 from .lifecycle import pod_log_records
 from .router_scenario import READY_ENDPOINTS, STREAM_ERRORS, Config, Report, cluster_limit, run
@@ -56,11 +57,17 @@ def test_1_router_deployed_and_finds_daemons_through_endpointslices(router_run: 
     assert args[args.index("--service") + 1] == f"{name}-daemons" and "--hold-timeout" in args
     assert r.daemons_service["spec"]["clusterIP"] == "None"
 
-    # Each router pod is a real router process on its own loopback address, with its pod's API credentials.
+    # The router pods carry the e2e node's toleration and nodeSelector (spec.router's own), so they land there.
+    pod_spec = dep["spec"]["template"]["spec"]
+    assert pod_spec["tolerations"] == [r.agent.node.toleration()] and r.agent.node.tainted
+    assert pod_spec["nodeSelector"] == r.agent.node.selector()
+
+    # Each router pod is a real router process on its own address (in its own network namespace where the
+    # machine allows), with its pod's API credentials.
     assert len(r.router_pods) == 2
     for pod in r.router_pods:
         c = r.agent.containers[pod]
-        assert "kvpilot.router" in c.argv and c.ip.startswith("127.0.0.") and c.ip != "127.0.0.1"
+        assert "kvpilot.router" in c.argv and netns.is_pod_address(c.ip, r.pod_network), (c.ip, r.pod_network)
         assert Path(c.env["KUBECONFIG"]).is_file()
         logs = pod_log_records(r.config.workdir, pod)
         listening = [x for x in logs if x.get("msg") == "listening"]

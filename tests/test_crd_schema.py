@@ -374,6 +374,8 @@ def test_long_prefill_token_threshold_is_typed_and_optional():
 @pytest.mark.parametrize("router, fragment", [
     ({"tolerations": "node-pool=cpu:NoSchedule"}, "spec.router.tolerations: 'node-pool=cpu:NoSchedule' is not"),
     ({"tolerations": [{"operator": "Maybe"}]}, "spec.router.tolerations.0.operator"),
+    ({"tolerations": [{"key": "k", "effect": "NoEvict"}]}, "spec.router.tolerations.0.effect"),
+    ({"tolerations": [{"key": "k", "tolerationSeconds": "30s"}]}, "spec.router.tolerations.0.tolerationSeconds"),
     ({"affinity": ["nodeAffinity"]}, "spec.router.affinity"),
 ])
 def test_the_server_rejects_wrong_router_scheduling(router, fragment):

@@ -277,6 +277,21 @@ def test_router_scheduling_fields_are_validated_and_copied():
     kubernetes_validate.validate(routing.render_router_deployment(META, s), K8S_VERSION, strict=True)
 
 
+def test_router_tolerations_pass_through_verbatim():
+    """Every Toleration form reaches the router pods as written: a node's own taint (what the e2e node
+    carries), Exists for a key or for every taint, NoExecute with tolerationSeconds."""
+    tolerations = [{"key": "kvpilot.io/e2e", "operator": "Equal", "value": "kvpilot-e2e-1a2b3c", "effect": "NoSchedule"},
+                   {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute",
+                    "tolerationSeconds": 30},
+                   {"operator": "Exists"}]
+    s = spec({"enabled": True, "tolerations": tolerations, "nodeSelector": {"kvpilot.io/e2e-node": "kvpilot-e2e-1a2b3c"}})
+    assert crd.validate("llm", s) == []
+    pod = router_pod(s)
+    assert pod["tolerations"] == tolerations and pod["tolerations"] is not s["router"]["tolerations"]
+    assert pod["nodeSelector"] == {"kvpilot.io/e2e-node": "kvpilot-e2e-1a2b3c"}
+    kubernetes_validate.validate(routing.render_router_deployment(META, s), K8S_VERSION, strict=True)
+
+
 def test_router_scheduling_fields_are_absent_when_unset():
     pod = router_pod(spec())
     assert "nodeSelector" not in pod and "tolerations" not in pod

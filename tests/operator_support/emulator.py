@@ -14,6 +14,7 @@ import asyncio
 import copy
 import dataclasses
 import datetime
+import ipaddress
 import itertools
 import json
 import uuid
@@ -94,6 +95,30 @@ def _merge_list(old: list[Any], patch: list[Any], key: str) -> list[Any]:
         else:
             out[index] = strategic_merge(out[index], item)
     return out
+
+
+def endpoint_address_errors(obj: Any) -> list[str]:
+    """kube-apiserver's EndpointSlice address validation (ValidateEndpointIP): an IP of the slice's
+    addressType, and not unspecified, loopback (127.0.0.0/8, ::1) or link-local (169.254.0.0/16, fe80::/10,
+    224.0.0.0/24, ff02::/16)."""
+    kind = obj.get("addressType", "IPv4") if isinstance(obj, dict) else "IPv4"
+    errors = []
+    for i, ep in enumerate((obj.get("endpoints") if isinstance(obj, dict) else None) or []):
+        for j, raw in enumerate((ep or {}).get("addresses") or []):
+            where = f"endpoints[{i}].addresses[{j}]: Invalid value: {raw!r}"
+            try:
+                ip = ipaddress.ip_address(raw)
+            except ValueError:
+                errors.append(f"{where}: must be a valid IP address")
+                continue
+            if kind in ("IPv4", "IPv6") and f"IPv{ip.version}" != kind:
+                errors.append(f"{where}: must be an {kind} address")
+            bad = [("unspecified", ip.is_unspecified), ("in the loopback range", ip.is_loopback),
+                   ("in the link-local range", ip.is_link_local),
+                   ("in the link-local multicast range", ip.is_multicast and (
+                       ip in ipaddress.ip_network("224.0.0.0/24") or ip in ipaddress.ip_network("ff02::/16")))]
+            errors += [f"{where}: may not be {what}" for what, hit in bad if hit]
+    return errors
 
 
 def _spec_part(obj: dict[str, Any]) -> dict[str, Any]:
@@ -237,6 +262,8 @@ class StrictEmulator(kmock.KubernetesEmulator):
             else:
                 new = self._updated(old, body, request, call, info)
             new = self._admit_custom(request, new, old)
+            if request.resource.plural == "endpointslices" and (errors := endpoint_address_errors(new)):
+                raise _error(422, "Invalid", f"EndpointSlice {name!r} is invalid: {'; '.join(errors)}")
             self.calls += escalation_checks(call, new, self._role_rules)
             return await self._store(request, call.namespace, new, old)
 
