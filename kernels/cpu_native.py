@@ -170,7 +170,8 @@ def _load() -> ctypes.CDLL | None:
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # the C signatures of the per-cache-dtype entry points (see the sources)
-_ATTENTION_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _P, _I32, _I32]
+_ATTENTION_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _P, _I32, _I32, _P,
+                   _F32]
 _STORE_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I64]
 
 
@@ -424,7 +425,8 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def _call(fns: dict[torch.dtype, Callable[..., int]], what: str, query: torch.Tensor, k_cache: torch.Tensor,
           v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-          query_start_loc: torch.Tensor, scale: float, sliding_window: int | None, out: torch.Tensor) -> int:
+          query_start_loc: torch.Tensor, scale: float, sliding_window: int | None, out: torch.Tensor,
+          soft_cap: float | None, sinks: torch.Tensor | None) -> int:
     lib = _load()
     if lib is None:
         raise RuntimeError(f"native CPU kernel unavailable: {_error}")
@@ -435,6 +437,10 @@ def _call(fns: dict[torch.dtype, Callable[..., int]], what: str, query: torch.Te
         raise ValueError(f"{what} takes float32 or bfloat16 queries and out of their dtype over caches of one dtype "
                          f"in {[str(d) for d in fns]}; got query {query.dtype}, out {out.dtype}, caches "
                          f"{k_cache.dtype}/{v_cache.dtype}")
+    if sinks is not None and not (sinks.is_cpu and sinks.dtype is torch.float32 and sinks.shape == query.shape[1:2]):
+        raise ValueError(f"sinks must be a float32 CPU tensor of shape ({query.shape[1]},), got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+    sinks = None if sinks is None else sinks.contiguous()  # alive until the call returns
     bt = block_tables.to(torch.int32).contiguous()
     ctx = context_lens.to(torch.int32).contiguous()
     qsl = query_start_loc.to(torch.int32).contiguous()
@@ -443,6 +449,7 @@ def _call(fns: dict[torch.dtype, Callable[..., int]], what: str, query: torch.Te
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         bt.data_ptr(), bt.stride(0), ctx.data_ptr(), qsl.data_ptr(), ctx.shape[0], query.shape[1], kvh, d, bs,
         scale, sliding_window or 0, out.data_ptr(), torch.get_num_threads(), int(query.dtype is torch.bfloat16),
+        None if sinks is None else sinks.data_ptr(), float(soft_cap or 0.0),
     )
 
 
@@ -456,10 +463,14 @@ def paged_decode(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    *,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Fill ``out`` rows of every sequence with a single query token this step; other rows untouched."""
+    """Fill ``out`` rows of every sequence with a single query token this step; other rows untouched. ``soft_cap``
+    (0 or None: off) and ``sinks`` as in ``paged_attention``."""
     rc = _call(_fns, "paged_decode", query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale,
-               sliding_window, out)
+               sliding_window, out, soft_cap, sinks)
     if rc != 0:
         raise RuntimeError("paged_decode could not start its threads")
 
@@ -474,17 +485,22 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
+    *,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Fill ``out`` rows of every sequence with more than one query token this step (prompt chunks,
-    causal from position ``context_len - q_len``); other rows untouched."""
+    causal from position ``context_len - q_len``); other rows untouched. ``soft_cap`` and ``sinks`` as in
+    ``paged_decode``."""
     if (query.shape[1] // k_cache.shape[2] > _build_constant("prefill_max_group")
             or query.shape[2] > _build_constant("prefill_max_head_dim")):
         # wider groups of query heads per kv head, or longer heads, than the kernel takes go to SDPA
         reference.attend_prefill_chunks(query, k_cache, v_cache, block_tables, context_lens.long(),
-                                        query_start_loc.long(), scale, sliding_window, out)
+                                        query_start_loc.long(), scale, sliding_window, out, soft_cap=soft_cap,
+                                        sinks=sinks)
         return
     rc = _call(_prefill_fns, "paged_prefill", query, k_cache, v_cache, block_tables, context_lens,
-               query_start_loc, scale, sliding_window, out)
+               query_start_loc, scale, sliding_window, out, soft_cap, sinks)
     if rc == -1:
         raise MemoryError("paged_prefill could not allocate its key tiles")
     if rc != 0:
@@ -504,9 +520,11 @@ def paged_attention(
     max_context_len: int | None = None,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.paged_attention``: decode rows and prefill chunks in C, each by its
-    kernel. bfloat16 queries are read and bfloat16 output rows written by the kernels themselves, rounded
+    """Same contract as ``reference.paged_attention`` (``soft_cap`` and ``sinks`` included): decode rows and
+    prefill chunks in C, each by its kernel. bfloat16 queries are read and bfloat16 output rows written by the kernels themselves, rounded
     once from float32 accumulators. Over a bfloat16 cache on CPUs with bfloat16 dot products (AVX512-BF16)
     the products multiply bfloat16 pairs exactly and add them in float32, the prefill kernel's softmax
     weights rounded to bfloat16 as torch's bfloat16 SDPA does; otherwise the queries are widened (exactly)
@@ -515,6 +533,7 @@ def paged_attention(
     num_tokens, num_heads, _ = query.shape
     if num_heads % k_cache.shape[2]:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    soft_cap = reference.check_features(soft_cap, sinks, num_heads, query.device)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype)
     if num_tokens == 0 or context_lens.shape[0] == 0:
@@ -526,10 +545,10 @@ def paged_attention(
     direct = out.is_contiguous() and out.dtype is io_dtype
     target = out if direct else torch.empty(out.shape, dtype=io_dtype)
     paged_decode(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window,
-                 target)
+                 target, soft_cap=soft_cap, sinks=sinks)
     if max_query_len is None or max_query_len > 1:
         paged_prefill(query, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, sliding_window,
-                      target)
+                      target, soft_cap=soft_cap, sinks=sinks)
     if target is not out:
         # only the rows this call owns: rows past query_start_loc[-1] stay untouched
         end = int(query_start_loc[-1])

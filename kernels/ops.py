@@ -60,6 +60,9 @@ __all__ = [
     "rms_norm",
     "rope_",
     "silu_mul",
+    "moe_route",
+    "moe_backend_for",
+    "fused_moe",
 ]
 
 _triton_mod: ModuleType | None = None
@@ -161,12 +164,22 @@ def paged_attention(
     max_context_len: int | None = None,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention over the paged cache; returns ``[num_query_tokens, H, d]``.
 
     ``context_lens[i]`` counts sequence i's tokens in the cache including this step's (store_kv
     runs first); its query rows are the last ``q_i`` positions. With ``sliding_window`` w a
     query at position p sees keys k with p - w < k <= p.
+
+    ``soft_cap`` c (Gemma 2's attention logit soft-capping; None or 0: off): each score
+    s = scale * q.k becomes c * tanh(s / c) before the mask and softmax.
+    ``sinks`` (gpt-oss's attention sinks; None: off): a float32 tensor ``[H]`` on the query's device, one
+    logit per query head of this call, that joins every row's softmax denominator with no value:
+    out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sinks[h] - m)), m the max over the visible
+    scores and the sink (the sink is neither scaled nor capped, and is there under a sliding window too).
+    Sinks of another shape or dtype, or a negative (or non-finite) soft_cap, raise ValueError.
     """
     backend = attention_backend_for(query, k_cache)
     impl = _triton_mod if backend == "triton" else _ATTENTION_IMPLS[backend]
@@ -182,6 +195,8 @@ def paged_attention(
         max_context_len=max_context_len,
         sliding_window=sliding_window,
         out=out,
+        soft_cap=soft_cap,
+        sinks=sinks,
     )
 
 
@@ -195,3 +210,67 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], src_
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) -> None:
     """Copy blocks between a device cache and a host cache (same block shape), for swap preemption."""
     reference.swap_blocks(src, dst, src_to_dst)
+
+
+# ------------------------------------------------------------------------------- mixture of experts
+# Routing is plain torch (moe.moe_route). fused_moe follows the attention switch: attention_backend=triton
+# forces Triton (tests run it on CPU tensors under TRITON_INTERPRET=1), torch forces the reference, cpu and
+# auto take the CPU path on CPU tensors and Triton on CUDA ones. The MoE Triton module loads on its own, so a
+# problem in the attention kernels' module does not take MoE down with it.
+from . import moe, moe_reference  # noqa: E402 - kept beside their dispatch
+from .moe import moe_route  # noqa: E402
+
+_moe_triton_mod: ModuleType | None = None
+_moe_triton_error: Exception | None = None
+
+
+def _load_moe_triton() -> ModuleType | None:
+    global _moe_triton_mod, _moe_triton_error
+    if _moe_triton_mod is None and _moe_triton_error is None:
+        try:
+            from . import moe_triton
+
+            _moe_triton_mod = moe_triton
+        except Exception as e:  # ImportError, or a triton without a usable backend
+            _moe_triton_error = e
+    return _moe_triton_mod
+
+
+def moe_backend_for(hidden: torch.Tensor) -> str:
+    """'triton', 'cpu' (moe.fused_moe_cpu) or 'torch' (moe_reference) for a fused_moe call on ``hidden``."""
+    forced = current().attention_backend
+    if forced == "triton" or (forced == "auto" and hidden.is_cuda):
+        if _load_moe_triton() is not None:
+            return "triton"
+        if forced == "triton":
+            raise RuntimeError(f"attention_backend='triton' but the MoE kernels cannot load: {_moe_triton_error}")
+    if hidden.is_cpu and forced != "torch":
+        return "cpu"
+    return "torch"
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = moe_reference.GPT_OSS_ALPHA,
+    swiglu_limit: float = moe_reference.GPT_OSS_LIMIT,
+) -> torch.Tensor:
+    """The routed experts of a MoE layer, ``[T, H]`` in the hidden dtype: ``hidden [T, H]``, ``w13 [E, 2I, H]``
+    (gate|up stacked; interleaved for ``activation="gpt_oss"``), ``w2 [E, H, I]``, ``topk_weights``/``topk_ids``
+    ``[T, k]`` from ``moe_route``. The definition is ``moe_reference``'s docstring."""
+    backend = moe_backend_for(hidden)
+    if backend == "triton":
+        impl = _moe_triton_mod.fused_moe  # type: ignore[union-attr]
+    elif backend == "cpu":
+        impl = moe.fused_moe_cpu
+    else:
+        impl = moe_reference.fused_moe
+    return impl(hidden, w13, w2, topk_weights, topk_ids, activation=activation, w13_bias=w13_bias,
+                w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import check_features
 from .settings import current
 
 __all__ = ["store_kv", "paged_attention", "copy_blocks", "swap_blocks"]
@@ -144,6 +145,9 @@ def _paged_attn_kernel(
     stride_ch,
     stride_bt,
     window,  # sliding window in tokens, read only with HAS_WINDOW
+    sinks_ptr,  # [NUM_HEADS] fp32 sink logits, read only with HAS_SINKS
+    cap_in,  # softmax scale / soft cap, read only with HAS_SOFTCAP
+    cap_out,  # soft cap * log2(e), read only with HAS_SOFTCAP
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per kv head
     HEAD_D: tl.constexpr,
@@ -154,6 +158,8 @@ def _paged_attn_kernel(
     BLOCK_Q: tl.constexpr,
     NUM_SPLITS: tl.constexpr,  # > 1: split the keys across programs (decode), reduce after
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,  # Gemma 2: scores s become cap * tanh(s / cap)
+    HAS_SINKS: tl.constexpr,  # gpt-oss: one more logit per head in the softmax, with no value
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,  # interpreter only: its tl.dot mishandles bf16, so feed it fp32
 ):
@@ -200,8 +206,19 @@ def _paged_attn_kernel(
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_hi, tile_lo + per_split)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # the online softmax starts from the sink (max = sink, sum = e^0 = 1) instead of from nothing; with split
+        # keys only split 0 counts it, so the reduce adds it once
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        if NUM_SPLITS > 1:
+            m_i = tl.where(split == 0, sink, float("-inf"))
+            l_i = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_M], dtype=tl.float32)
+        else:
+            m_i = sink
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_P2], dtype=tl.float32)
     offs_n = tl.arange(0, TILE_N)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -221,7 +238,14 @@ def _paged_attn_kernel(
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
         else:
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s = s * qk_scale
+        if HAS_SOFTCAP:
+            # tanh from exp2 of -2|x| (no overflow, no libdevice needed), in log2 units afterwards
+            x = s * cap_in
+            t = tl.exp2(tl.abs(x) * -2.8853900817779268)
+            th = (1.0 - t) / (1.0 + t)
+            s = tl.where(x < 0.0, -th, th) * cap_out
+        else:
+            s = s * qk_scale
         diff = q_pos[:, None] - pos[None, :]
         ok = (diff >= 0) & pos_ok[None, :]
         if HAS_WINDOW:
@@ -331,6 +355,8 @@ def paged_attention(
     max_context_len: int | None = None,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     _check_cache(k_cache, v_cache)
@@ -338,6 +364,7 @@ def paged_attention(
     _, bs, kvh, _ = k_cache.shape
     if num_heads % kvh:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {kvh}")
+    soft_cap = check_features(soft_cap, sinks, num_heads, query.device)
     query = _rows(query)
     if out is None:
         out = torch.empty_like(query)
@@ -396,6 +423,9 @@ def paged_attention(
         k_cache.stride(2),
         block_tables.stride(0),
         int(sliding_window or 0),
+        query if sinks is None else sinks.contiguous(),  # any pointer when there are none
+        float(scale) / soft_cap if soft_cap else 0.0,
+        soft_cap * _LOG2E if soft_cap else 0.0,
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_D=d,
@@ -406,6 +436,8 @@ def paged_attention(
         BLOCK_Q=block_q,
         NUM_SPLITS=splits,
         HAS_WINDOW=bool(sliding_window),
+        HAS_SOFTCAP=soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         DOT_PRECISION=precision,
         UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
         num_warps=4 if d_p2 <= 128 else 8,

@@ -165,5 +165,20 @@ static inline void online_softmax(float *s, const int n, int jlo, int jhi, float
     *m = new_max;
 }
 
+/* Gemma 2's attention logit soft-capping on the scores s[lo..hi): s = cap * tanh(s / cap). Called only when a
+ * cap is set, so the uncapped kernels pay one untaken branch per tile; tanhf from libm (glibc's vector variant
+ * where gcc vectorizes the loop) keeps it exact to float32. */
+static inline void soft_cap_scores(float *s, int lo, int hi, float cap) {
+    const float inv = 1.0f / cap;
+    for (int j = lo; j < hi; j++) s[j] = cap * tanhf(s[j] * inv);
+}
+
+/* gpt-oss's attention sinks: a head's sink logit joins its softmax as one more score with no value row. The
+ * online softmax starts from it, max = sink and sum = e^(sink - sink) = 1, instead of from nothing (max
+ * -FLT_MAX, sum 0); with no sinks (NULL) that plain start. */
+static inline void softmax_start(const float *sinks, int head, float *m, float *l) {
+    *m = sinks ? sinks[head] : -FLT_MAX;  /* not -inf: built with -ffast-math, which assumes finite values */
+    *l = sinks ? 1.0f : 0.0f;
+}
 
 #endif

@@ -17,7 +17,8 @@
  *   block_tables [B, bt_stride] int32, context_lens [B] int32, query_start_loc [B + 1] int32
  *   out    [T, H, D] contiguous, the query's type
  * A query at position p = context_len - 1 sees keys k with k <= p and, when window > 0,
- * p - k < window.
+ * p - k < window. With soft_cap > 0 each score s = scale * q.k becomes soft_cap * tanh(s / soft_cap) (Gemma 2);
+ * with sinks (float32 [H], else NULL) head h's softmax has one more logit sinks[h] with no value (gpt-oss).
  *
  * Two bodies: the plain loops (attend_seq_d, every cache type and head size, inlined per type) and,
  * for 16-bit caches on AVX2 builds (float16 also needs F16C), the vector path (attend_seq_16). A float32
@@ -57,6 +58,8 @@ typedef struct {
     float scale;
     int num_threads, thread_index;
     int kv_type, io_bf16;
+    const float *sinks;  /* [num_heads] sink logits, or NULL */
+    float soft_cap;      /* > 0: cap the scores */
 } job_t;
 
 #if HAVE_F16
@@ -123,8 +126,7 @@ static inline __attribute__((always_inline)) void start_heads(const job_t *j, in
             qs[h][d] = load_io(j->q, src + d, j->io_bf16) * j->scale;
             acc[h][d] = 0.0f;
         }
-        m[h] = -FLT_MAX;  /* not -inf: built with -ffast-math, which assumes finite values */
-        l[h] = 0.0f;
+        softmax_start(j->sinks, h, &m[h], &l[h]);
     }
 }
 
@@ -172,6 +174,8 @@ static inline __attribute__((always_inline)) void attend_seq_d(const job_t *j, i
                 }
             }
         }
+        if (j->soft_cap > 0.0f)
+            for (int h = 0; h < H; h++) soft_cap_scores(scores[h], t0, t1, j->soft_cap);
         for (int h = 0; h < H; h++) {
             float block_max = -FLT_MAX;
             for (int t = t0; t < t1; t++) block_max = scores[h][t] > block_max ? scores[h][t] : block_max;
@@ -425,6 +429,8 @@ static inline __attribute__((always_inline)) void attend_seq_16(const job_t *j, 
         }
         if (next >= 0)
             for (int t = t0; t < t1; t++) prefetch_rows(j->v_cache, next + (int64_t)t * W, W, KV);
+        if (j->soft_cap > 0.0f)
+            for (int h = 0; h < NH; h++) soft_cap_scores(scores[h], t0, t1, j->soft_cap);
         for (int h = 0; h < NH; h++) online_softmax(scores[h], BS, t0, t1, &m[h], &l[h], &correction[h]);
         for (int kv = 0; kv < KVH; kv++) {
             for (int g = 0; g < G; g += PV_HEADS) {
@@ -491,7 +497,7 @@ static int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                         const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int block_size, float scale, int window, void *out, int num_threads,
-                        int io_bf16, int kv_type) {
+                        int io_bf16, const float *sinks, float soft_cap, int kv_type) {
     if (num_threads < 1) num_threads = 1;
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
     if (num_threads > num_seqs) num_threads = num_seqs > 0 ? num_seqs : 1;
@@ -500,7 +506,7 @@ static int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache
     for (int i = 0; i < num_threads; i++) {
         jobs[i] = (job_t){q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, q_row_stride,
                           bt_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, window, scale,
-                          num_threads, i, kv_type, io_bf16};
+                          num_threads, i, kv_type, io_bf16, sinks, soft_cap};
     }
 #ifdef _OPENMP
     /* Built with -fopenmp this runs on the OpenMP pool torch already uses (the same libgomp.so.1):
@@ -529,16 +535,17 @@ static int paged_decode(const void *q, int64_t q_row_stride, const void *k_cache
     return 0;
 }
 
-/* The exported entry points, one per cache type (same arguments, in the order above). */
+/* The exported entry points, one per cache type (same arguments, in the order above; sinks NULL and soft_cap 0
+ * for plain attention). */
 #define DECODE_ARGS                                                                                         \
     q, q_row_stride, k_cache, v_cache, block_tables, bt_stride, context_lens, query_start_loc, num_seqs,    \
-        num_heads, num_kv_heads, head_dim, block_size, scale, window, out, num_threads, io_bf16
+        num_heads, num_kv_heads, head_dim, block_size, scale, window, out, num_threads, io_bf16, sinks, soft_cap
 
 int kvpilot_paged_decode_f32(const void *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                              const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                              const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
                              int head_dim, int block_size, float scale, int window, void *out, int num_threads,
-                             int io_bf16) {
+                             int io_bf16, const float *sinks, float soft_cap) {
     return paged_decode(DECODE_ARGS, KV_F32);
 }
 
@@ -547,7 +554,8 @@ int kvpilot_paged_decode_f16kv(const void *q, int64_t q_row_stride, const _Float
                                const _Float16 *v_cache, const int32_t *block_tables, int64_t bt_stride,
                                const int32_t *context_lens, const int32_t *query_start_loc, int num_seqs,
                                int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                               int window, void *out, int num_threads, int io_bf16) {
+                               int window, void *out, int num_threads, int io_bf16, const float *sinks,
+                               float soft_cap) {
     return paged_decode(DECODE_ARGS, KV_F16);
 }
 #endif
@@ -556,6 +564,7 @@ int kvpilot_paged_decode_bf16kv(const void *q, int64_t q_row_stride, const uint1
                                 const uint16_t *v_cache, const int32_t *block_tables, int64_t bt_stride,
                                 const int32_t *context_lens, const int32_t *query_start_loc, int num_seqs,
                                 int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                                int window, void *out, int num_threads, int io_bf16) {
+                                int window, void *out, int num_threads, int io_bf16, const float *sinks,
+                                float soft_cap) {
     return paged_decode(DECODE_ARGS, KV_BF16);
 }

@@ -30,7 +30,9 @@
  *
  * Layouts match kvpilot.kernels (see paged_decode_cpu.c). A query row of sequence s at index i
  * of its q_len rows sits at position p = context_len - q_len + i and sees keys k with k <= p and,
- * when window > 0, p - k < window. Sequences with q_len <= 1 are left to the decode kernel.
+ * when window > 0, p - k < window. Sequences with q_len <= 1 are left to the decode kernel. soft_cap and sinks
+ * as in the decode kernel: capped scores before the online softmax, each row's softmax started from its head's
+ * sink logit.
  */
 #include <float.h>
 #include <math.h>
@@ -66,6 +68,8 @@ typedef struct {
     float scale;
     int kv_type, io_bf16;
     int pairs;  /* bfloat16 queries over a bfloat16 cache, on the dot-product instruction (see load_tile_pairs) */
+    const float *sinks;  /* [num_heads] sink logits, or NULL */
+    float soft_cap;      /* > 0: cap the scores */
 } prefill_t;
 
 /* One prompt chunk: where its key tiles sit in the scratch. */
@@ -194,8 +198,7 @@ static void run_task(const prefill_t *p, const chunk_t *c, const task_t *t, cons
         for (int d = 0; d < DP; d++) o[(int64_t)r * DP + d] = 0.0f;
         pos[r] = c->ctx - c->q_len + i;
         lo[r] = first_visible_key(p, pos[r]);
-        m[r] = -FLT_MAX;  /* finite: built with -ffast-math */
-        l[r] = 0.0f;
+        softmax_start(p->sinks, h, &m[r], &l[r]);
     }
     const int64_t tile_floats = (int64_t)KT * (D + DP);
     const int first = lo[0] / KT, last = pos[rows - 1] / KT;
@@ -232,6 +235,7 @@ static void run_task(const prefill_t *p, const chunk_t *c, const task_t *t, cons
             float *row = s + (int64_t)r * KT;
             if (p->pairs)  /* the pairs path's queries are unscaled (exact in bfloat16): scale the scores */
                 for (int j = 0; j < KT; j++) row[j] *= p->scale;
+            if (p->soft_cap > 0.0f) soft_cap_scores(row, jlo, VISIBLE(r), p->soft_cap);
             online_softmax(row, KT, jlo, VISIBLE(r), &m[r], &l[r], &corr[r]);
 #if HAVE_PANEL_BF16
             if (p->pairs) weights_to_pairs(row, KT, w2 + (int64_t)r * (KT / 2));
@@ -351,12 +355,12 @@ int kvpilot_prefill_max_head_dim(void) { return MAX_HEAD_DIM; }
     int64_t q_row_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,            \
         int64_t bt_stride, const int32_t *context_lens, const int32_t *query_start_loc, int num_seqs,         \
         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, int window, void *out,  \
-        int num_threads, int io_bf16
+        int num_threads, int io_bf16, const float *sinks, float soft_cap
 
 static int prefill_entry(const void *q, PREFILL_PARAMS, int kv_type) {
     const prefill_t p = {q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc, q_row_stride,
                          bt_stride, num_heads, num_kv_heads, head_dim, block_size, window, scale, kv_type, io_bf16,
-                         HAVE_PANEL_BF16 && io_bf16 && kv_type == KV_BF16 && head_dim % 2 == 0};
+                         HAVE_PANEL_BF16 && io_bf16 && kv_type == KV_BF16 && head_dim % 2 == 0, sinks, soft_cap};
     return paged_prefill(&p, num_seqs, num_threads);
 }
 
@@ -364,19 +368,19 @@ static int prefill_entry(const void *q, PREFILL_PARAMS, int kv_type) {
 int kvpilot_paged_prefill_f32(const void *q, PREFILL_PARAMS) {
     return prefill_entry(q, q_row_stride, k_cache, v_cache, block_tables, bt_stride, context_lens,
                          query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window,
-                         out, num_threads, io_bf16, KV_F32);
+                         out, num_threads, io_bf16, sinks, soft_cap, KV_F32);
 }
 
 #if HAVE_F16
 int kvpilot_paged_prefill_f16kv(const void *q, PREFILL_PARAMS) {
     return prefill_entry(q, q_row_stride, k_cache, v_cache, block_tables, bt_stride, context_lens,
                          query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window,
-                         out, num_threads, io_bf16, KV_F16);
+                         out, num_threads, io_bf16, sinks, soft_cap, KV_F16);
 }
 #endif
 
 int kvpilot_paged_prefill_bf16kv(const void *q, PREFILL_PARAMS) {
     return prefill_entry(q, q_row_stride, k_cache, v_cache, block_tables, bt_stride, context_lens,
                          query_start_loc, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, window,
-                         out, num_threads, io_bf16, KV_BF16);
+                         out, num_threads, io_bf16, sinks, soft_cap, KV_BF16);
 }

@@ -1,0 +1,160 @@
+"""Mixture-of-experts execution: routing, the block-aligned expert sort the Triton path reads, and the CPU path.
+
+``kernels.ops`` re-exports ``moe_route`` and dispatches ``fused_moe`` (see there); the definition of the layer
+and the torch reference are in ``moe_reference``, the Triton kernels in ``moe_triton``.
+
+Routing (``moe_route``) covers the HF models' orders of operations:
+
+- Mixtral, Qwen2-MoE, Qwen3-MoE: softmax over all experts in float32, top-k, then (Mixtral always,
+  Qwen ``norm_topk_prob``) divide by the sum of the k: ``moe_route(logits, k, renormalize=...)``.
+- gpt-oss: top-k on the logits, softmax over the k: ``moe_route(logits, k, topk_before_softmax=True)``. Its
+  router's bias is the router linear's own bias (``F.linear(x, W, b)``, as in HF): add it there.
+- DeepSeek-V3-style routers: sigmoid scores, a score-correction bias that takes part in the selection only
+  (the weights are the uncorrected scores), renormalized: ``scoring="sigmoid", correction_bias=b``.
+
+The weights come back float32 whatever the logits' dtype (HF's Qwen modules round them to the model dtype;
+the MoE kernels multiply in float32 anyway), the ids int64 as torch.topk gives them (the kernels take int32 too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_native
+from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation, check_expert_ids, check_moe_args
+
+__all__ = ["SCORINGS", "moe_route", "moe_align", "fused_moe_cpu"]
+
+SCORINGS = ("softmax", "sigmoid")
+
+
+def moe_route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    topk_before_softmax: bool = False,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights float32 [T, k], topk_ids int64 [T, k])`` from ``router_logits [T, E]``.
+
+    ``scoring`` turns logits into scores (softmax over the experts, or an independent sigmoid each);
+    ``topk_before_softmax`` instead selects on the logits and takes the softmax over the k selected (softmax
+    scoring only). ``correction_bias [E]`` is added to what the selection ranks, never to the weights.
+    ``renormalize`` divides the k weights by their sum (a no-op after ``topk_before_softmax``)."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    if router_logits.dim() != 2 or not 1 <= top_k <= router_logits.shape[1]:
+        raise ValueError(f"router_logits must be [T, E] with 1 <= top_k <= E; got {tuple(router_logits.shape)}, "
+                         f"top_k={top_k}")
+    if topk_before_softmax and scoring != "softmax":
+        raise ValueError("topk_before_softmax takes softmax scoring")
+    if correction_bias is not None and correction_bias.shape != router_logits.shape[1:]:
+        raise ValueError(f"correction_bias must be [{router_logits.shape[1]}], got {tuple(correction_bias.shape)}")
+    logits = router_logits.float()
+    if topk_before_softmax:
+        scores = logits
+    elif scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+    if correction_bias is None:
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        ids = torch.topk(scores + correction_bias.float(), top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if topk_before_softmax:
+        weights = torch.softmax(weights, dim=-1)
+    elif renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+    """The (token, slot) pairs sorted by expert, each expert's run padded to a multiple of ``block_m``, so
+    that a block of ``block_m`` rows belongs to one expert. Pure torch and free of device syncs (sizes are
+    upper bounds, the real extent is a device tensor), so a CUDA caller never waits here.
+
+    Returns ``sorted_ids`` int32 ``[max_blocks * block_m]``: pair indices ``t * k + j`` by expert (stable,
+    so in token order within an expert), padding slots hold ``T * k``; ``expert_ids`` int32 ``[max_blocks]``:
+    each block's expert, -1 past the end; ``num_post_padded`` int32 ``[1]``: the used length of sorted_ids.
+    Experts without tokens get no block."""
+    flat = topk_ids.reshape(-1).long()
+    pairs, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    pad_start = pad_end - padded
+    cnt_start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    dest = pad_start[sorted_e] + torch.arange(pairs, device=dev) - cnt_start[sorted_e]
+    # at most min(E, pairs) experts have tokens, each wasting under block_m slots
+    max_blocks = -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+    sorted_ids = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids[dest] = order.to(torch.int32)
+    starts = torch.arange(max_blocks, device=dev) * block_m
+    expert_ids = torch.searchsorted(pad_end, starts, right=True)
+    total = pad_end[-1:] if num_experts else torch.zeros(1, dtype=torch.int64, device=dev)
+    expert_ids = torch.where(starts < total, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, total.to(torch.int32)
+
+
+def fused_moe_cpu(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float = GPT_OSS_ALPHA,
+    swiglu_limit: float = GPT_OSS_LIMIT,
+) -> torch.Tensor:
+    """``moe_reference.fused_moe`` on the CPU: one sort of the pairs by expert and one gather of their rows,
+    then per expert with tokens one oneDNN GEMM per projection over its contiguous run of rows, written in
+    place; the activation (the native ``silu_mul`` where it applies), the routing weights and the scatter-add
+    are one pass each over all pairs."""
+    act = activation
+    check_moe_args(hidden, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias)
+    num_experts = w13.shape[0]
+    check_expert_ids(topk_ids, num_experts)
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows = torch.div(order, k, rounding_mode="floor")
+    x = hidden.index_select(0, rows)  # every pair's input row, grouped by expert
+    pairs, inter = order.numel(), w2.shape[2]
+    gate_up = hidden.new_empty((pairs, 2 * inter))
+    spans = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            spans.append((e, start, start + n))
+            start += n
+    for e, lo, hi in spans:
+        if w13_bias is None:
+            torch.mm(x[lo:hi], w13[e].T, out=gate_up[lo:hi])
+        else:
+            torch.addmm(w13_bias[e].to(hidden.dtype), x[lo:hi], w13[e].T, out=gate_up[lo:hi])
+    a = cpu_native.silu_mul(gate_up) if act == "silu" else None
+    if a is None:
+        a = _activation(gate_up, act, swiglu_alpha, swiglu_limit).to(hidden.dtype)
+    y = hidden.new_empty((pairs, hidden.shape[1]))
+    for e, lo, hi in spans:
+        if w2_bias is None:
+            torch.mm(a[lo:hi], w2[e].T, out=y[lo:hi])
+        else:
+            torch.addmm(w2_bias[e].to(hidden.dtype), a[lo:hi], w2[e].T, out=y[lo:hi])
+    weights = topk_weights.reshape(-1).float().index_select(0, order)
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    out.index_add_(0, rows, y.float().mul_(weights[:, None]) if y.dtype != torch.float32 else y.mul_(weights[:, None]))
+    return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+
+
+_activation = activation  # fused_moe_cpu's keyword shadows the function's name inside it
