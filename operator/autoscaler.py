@@ -1,7 +1,9 @@
 """The autoscaling policy: metric samples over time -> desired replicas. Pure: no I/O, time is an argument.
 
 Signals are totals over the Ready pods; per signal the desire is ceil(total / per-replica target), and the
-desire is the max over signals. A stable window smooths normal decisions; a short panic window reacts to bursts.
+desire is the max over signals: KV-cache usage, and batch occupancy ((running + waiting) sequences against
+the daemons' max_num_seqs, what fills first when prompts are short next to the KV cache). Where max_num_seqs
+is unknown (0), waiting requests against targetWaitingRequests stand in for occupancy. A stable window smooths normal decisions; a short panic window reacts to bursts.
 
 Scale to zero (min_replicas 0, with routers in front): load never sizes below one replica; zero comes only
 from idleness, when the daemons ran and queued nothing and the routers held and proxied nothing for
@@ -25,6 +27,8 @@ class Policy:
     max_replicas: int = 4
     target_kv_cache_usage: float = 0.7
     target_waiting_requests: float = 4.0
+    target_batch_occupancy: float = 0.5  # (running + waiting) / max_num_seqs per pod; needs max_num_seqs
+    max_num_seqs: int = 0  # the daemons' --max-num-seqs, from the engine spec (0: unknown, signal off)
     stable_window: float = 120.0
     panic_window: float = 20.0
     panic_threshold: float = 2.0
@@ -34,9 +38,10 @@ class Policy:
     scale_to_zero_after: float = 300.0
 
     @classmethod
-    def from_spec(cls, a: dict[str, Any]) -> Policy:
-        """From a defaulted spec.autoscaling."""
+    def from_spec(cls, a: dict[str, Any], max_num_seqs: int = 0) -> Policy:
+        """From a defaulted spec.autoscaling, and the daemons' --max-num-seqs for batch occupancy."""
         return cls(
+            target_batch_occupancy=float(a.get("targetBatchOccupancy", 0.5)), max_num_seqs=max_num_seqs,
             min_replicas=a["minReplicas"], max_replicas=a["maxReplicas"],
             target_kv_cache_usage=float(a["targetKVCacheUsage"]),
             target_waiting_requests=float(a["targetWaitingRequests"]),
@@ -133,21 +138,25 @@ def _ceil(x: float) -> int:
 @dataclass
 class Autoscaler:
     policy: Policy
-    _loads: deque[tuple[float, float, float]] = field(default_factory=deque)  # (t, kv_total, waiting_total)
+    _loads: deque[tuple[float, float, float, float]] = field(default_factory=deque)  # (t, kv, waiting, running)
     _desires: deque[tuple[float, int]] = field(default_factory=deque)  # (t, wanted replicas) for scale-down
     _since: float | None = None  # first decision: the scale-down delay needs this much history
     _panic_until: float | None = None
     _idle_since: float | None = None
+    _last_down: float | None = None  # when the last scale-down was decided
 
-    def desire(self, kv_total: float, waiting_total: float) -> int:
+    def desire(self, kv_total: float, waiting_total: float, running_total: float = 0.0) -> int:
         p = self.policy
-        return max(_ceil(kv_total / p.target_kv_cache_usage), _ceil(waiting_total / p.target_waiting_requests))
+        kv = _ceil(kv_total / p.target_kv_cache_usage)
+        if p.max_num_seqs <= 0:
+            return max(kv, _ceil(waiting_total / p.target_waiting_requests))
+        # With the batch size known, a queue is demand a pod absorbs by the batch, not by targetWaitingRequests:
+        # 9000 queued at 4 a pod asked for 2250 pods where 50 would do, and the overshoot flapped.
+        return max(kv, _ceil((running_total + waiting_total) / (p.target_batch_occupancy * p.max_num_seqs)))
 
     def _window_desire(self, now: float, window: float) -> int:
-        rows = [(kv, w) for t, kv, w in self._loads if t > now - window]
-        kv = sum(r[0] for r in rows) / len(rows)
-        waiting = sum(r[1] for r in rows) / len(rows)
-        return self.desire(kv, waiting)
+        rows = [load for t, *load in self._loads if t > now - window]
+        return self.desire(*(sum(r[i] for r in rows) / len(rows) for i in range(3)))
 
     def _remember(self, now: float, wanted: int) -> None:
         if self._since is None:
@@ -204,7 +213,7 @@ class Autoscaler:
         kv_total = sum(s.kv_cache_usage for s in obs.samples) * scale
         waiting_total = sum(s.waiting for s in obs.samples) * scale
         running_total = sum(s.running for s in obs.samples) * scale
-        self._loads.append((now, kv_total, waiting_total))
+        self._loads.append((now, kv_total, waiting_total, running_total))
         while self._loads and self._loads[0][0] <= now - p.stable_window:
             self._loads.popleft()
         stable = self._window_desire(now, p.stable_window)
@@ -232,10 +241,14 @@ class Autoscaler:
             # Scale down to the highest desire seen over the whole delay, and only with that much history.
             highest = max(d for _, d in self._desires)
             since = now if self._since is None else self._since
-            if now - since < p.scale_down_delay or highest >= current:
+            # After a scale-down, wait a stable window before the next: concurrency read on an over-provisioned
+            # fleet is low (short batches step faster), so only the load measured at the new size is trusted.
+            settling = self._last_down is not None and now - self._last_down < p.stable_window
+            if now - since < p.scale_down_delay or highest >= current or settling:
                 desired, reason = current, "ScaleDownDelayed"
             else:
                 desired, reason = max(highest, down_floor), "ScaleDown"
+                self._last_down = now
         else:
             desired, reason = current, ("Panic" if panic else "Steady")
         if obs.failed and desired == current:

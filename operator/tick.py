@@ -119,7 +119,7 @@ def decide(observed: Observed, scaler: Autoscaler | None, now: float) -> tuple[P
     if not auto["enabled"]:
         sample = Autoscaler(Policy()).decide(0.0, current, obs)  # the load, for the status only
         return Plan(current=current, desired=current, decision=sample, enabled=False), None
-    policy = Policy.from_spec(auto)
+    policy = Policy.from_spec(auto, max_num_seqs=routing.daemon_max_num_seqs(observed.cr.spec))
     if scaler is None:
         scaler = Autoscaler(policy)
     scaler.policy = policy  # the bounds and targets may have changed; the history stays

@@ -259,3 +259,40 @@ def test_scale_to_zero_policy_from_spec():
                           "router": {"enabled": True}})["autoscaling"]
     p = Policy.from_spec(a)
     assert (p.min_replicas, p.scale_to_zero_after) == (0, 300.0)
+
+
+def occupancy_obs(running: list[float], waiting: float = 0.0) -> Observation:
+    return Observation(samples=tuple(PodSample(0.05, waiting, r) for r in running))
+
+
+def test_batch_occupancy_signal_counts_running_and_waiting_against_max_num_seqs():
+    p = Policy(min_replicas=1, max_replicas=100, target_batch_occupancy=0.5, max_num_seqs=256, panic_threshold=10)
+    # 4 pods run 200 each, 56 queued per pod: (800 + 224) / (0.5 * 256) = 8 pods; KV (0.2 / 0.7) asks for 1
+    assert Autoscaler(p).decide(0.0, 4, occupancy_obs([200] * 4, waiting=56)).desired == 8
+    # a deep queue asks for the pods that absorb it by their batch, not one pod per targetWaitingRequests
+    assert Autoscaler(p).decide(0.0, 4, occupancy_obs([256] * 4, waiting=1000)).desired == 8  # capped at 2x
+    deep = Autoscaler(p).decide(0.0, 4, occupancy_obs([256] * 4, waiting=1000))
+    assert deep.stable_desire == 40  # (1024 + 4000) / 128 = 39.25, where 4000 / 4 would ask for 1000
+    unknown = Policy(min_replicas=1, max_replicas=2000, panic_threshold=10, max_scale_up_rate=1000)
+    assert Autoscaler(unknown).decide(0.0, 4, occupancy_obs([256] * 4, waiting=1000)).desired == 1000
+
+
+def test_scale_downs_are_a_stable_window_apart():
+    p = Policy(min_replicas=1, max_replicas=100, stable_window=30, panic_window=5, scale_down_delay=60,
+               max_num_seqs=256)
+    scaler = Autoscaler(p)
+    for t in range(0, 70, 10):
+        d = scaler.decide(float(t), 16, occupancy_obs([0.0] * 16))
+    assert (d.desired, d.reason) == (8, "ScaleDown")
+    for t in (70, 80):  # the load read at 8 pods is not a stable window (30 s) old yet
+        d = scaler.decide(float(t), 8, occupancy_obs([0.0] * 8))
+        assert (d.desired, d.reason) == (8, "ScaleDownDelayed"), t
+    assert scaler.decide(90.0, 8, occupancy_obs([0.0] * 8)).desired == 4
+
+
+def test_batch_occupancy_from_spec_and_tick_passes_max_num_seqs():
+    from kvpilot.operator import crd
+    a = crd.default_spec({"model": {"uri": "hf://o/m"}})["autoscaling"]
+    assert Policy.from_spec(a).max_num_seqs == 0  # unknown unless the caller knows the engine
+    p = Policy.from_spec(a, max_num_seqs=64)
+    assert (p.target_batch_occupancy, p.max_num_seqs) == (0.5, 64)

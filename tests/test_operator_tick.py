@@ -55,3 +55,15 @@ def test_the_index_keeps_copies_and_the_snapshot_defaults_specs():
     crs = snapshot({("ml", "a"): [entry]})
     assert list(crs) == [("ml", "a")]
     assert crs["ml", "a"].spec["autoscaling"]["metricsIntervalSeconds"] == crs["ml", "a"].interval == 10
+
+
+def test_the_policy_gets_the_daemons_max_num_seqs():
+    c = Cr.from_body({"metadata": {"name": "llm", "namespace": "ml", "uid": "u", "generation": 2},
+                      "spec": {"model": {"uri": "hf://o/m"}, "engine": {"maxNumSeqs": 8},
+                               "autoscaling": {"enabled": True, "maxReplicas": 10}}})
+    # 2 pods, 8 running each and 8 waiting on each: (32) / (0.5 * 8) = 8 wanted, capped at 2x = 4
+    obs = Observation(samples=(PodSample(0.1, 8.0, 8.0), PodSample(0.1, 8.0, 8.0)))
+    o = Observed(cr=c, deployment={"spec": {"replicas": 2}}, scraped=ScrapeResult(obs, {}), targets=2)
+    plan, scaler = decide(o, None, 0.0)
+    assert scaler is not None and scaler.policy.max_num_seqs == 8
+    assert plan.decision.stable_desire == 8 and plan.desired == 4
