@@ -1,9 +1,10 @@
 """The autoscaling policy: metric samples over time -> desired replicas. Pure: no I/O, time is an argument.
 
 Signals are totals over the Ready pods; per signal the desire is ceil(total / per-replica target), and the
-desire is the max over signals: KV-cache usage, and batch occupancy ((running + waiting) sequences against
-the daemons' max_num_seqs, what fills first when prompts are short next to the KV cache). Where max_num_seqs
-is unknown (0), waiting requests against targetWaitingRequests stand in for occupancy. A stable window smooths normal decisions; a short panic window reacts to bursts.
+desire is the max over signals: KV-cache usage, batch occupancy ((running + waiting) sequences against the
+daemons' max_num_seqs, what fills first when prompts are short next to the KV cache), and waiting requests
+when targetWaitingRequests is set (or max_num_seqs is unknown, where 4 a pod stands in for occupancy). A
+stable window smooths normal decisions; a short panic window reacts to bursts.
 
 Scale to zero (min_replicas 0, with routers in front): load never sizes below one replica; zero comes only
 from idleness, when the daemons ran and queued nothing and the routers held and proxied nothing for
@@ -26,7 +27,7 @@ class Policy:
     min_replicas: int = 1
     max_replicas: int = 4
     target_kv_cache_usage: float = 0.7
-    target_waiting_requests: float = 4.0
+    target_waiting_requests: float | None = None  # optional signal; 4 a pod where max_num_seqs is unknown
     target_batch_occupancy: float = 0.5  # (running + waiting) / max_num_seqs per pod; needs max_num_seqs
     max_num_seqs: int = 0  # the daemons' --max-num-seqs, from the engine spec (0: unknown, signal off)
     stable_window: float = 120.0
@@ -44,7 +45,8 @@ class Policy:
             target_batch_occupancy=float(a.get("targetBatchOccupancy", 0.5)), max_num_seqs=max_num_seqs,
             min_replicas=a["minReplicas"], max_replicas=a["maxReplicas"],
             target_kv_cache_usage=float(a["targetKVCacheUsage"]),
-            target_waiting_requests=float(a["targetWaitingRequests"]),
+            target_waiting_requests=None if a.get("targetWaitingRequests") is None
+            else float(a["targetWaitingRequests"]),
             stable_window=float(a["stableWindowSeconds"]), panic_window=float(a["panicWindowSeconds"]),
             panic_threshold=float(a["panicThreshold"]), scale_down_delay=float(a["scaleDownDelaySeconds"]),
             max_scale_up_rate=float(a["maxScaleUpRate"]), max_scale_down_rate=float(a["maxScaleDownRate"]),
@@ -131,6 +133,9 @@ class Decision:
                 f"sampled={self.sampled} failed={self.failed} not_ready={self.not_ready} held={self.held:.0f}")
 
 
+_DEFAULT_WAITING_TARGET = 4.0  # queued requests a pod where the batch size is unknown
+
+
 def _ceil(x: float) -> int:
     return max(0, math.ceil(x - EPS))
 
@@ -147,12 +152,15 @@ class Autoscaler:
 
     def desire(self, kv_total: float, waiting_total: float, running_total: float = 0.0) -> int:
         p = self.policy
-        kv = _ceil(kv_total / p.target_kv_cache_usage)
-        if p.max_num_seqs <= 0:
-            return max(kv, _ceil(waiting_total / p.target_waiting_requests))
-        # With the batch size known, a queue is demand a pod absorbs by the batch, not by targetWaitingRequests:
-        # 9000 queued at 4 a pod asked for 2250 pods where 50 would do, and the overshoot flapped.
-        return max(kv, _ceil((running_total + waiting_total) / (p.target_batch_occupancy * p.max_num_seqs)))
+        wanted = _ceil(kv_total / p.target_kv_cache_usage)
+        if p.max_num_seqs > 0:
+            # a queue is demand a pod absorbs by its batch: 9000 queued at 4 a pod asked for 2250 pods where
+            # 50 would do, and the overshoot flapped (bench/results/autoscale_results.md)
+            wanted = max(wanted, _ceil((running_total + waiting_total) / (p.target_batch_occupancy * p.max_num_seqs)))
+        waiting_target = p.target_waiting_requests or (_DEFAULT_WAITING_TARGET if p.max_num_seqs <= 0 else None)
+        if waiting_target:
+            wanted = max(wanted, _ceil(waiting_total / waiting_target))
+        return wanted
 
     def _window_desire(self, now: float, window: float) -> int:
         rows = [load for t, *load in self._loads if t > now - window]

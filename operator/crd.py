@@ -121,7 +121,7 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
             errors.append("autoscaling.panicWindowSeconds must be <= autoscaling.stableWindowSeconds")
         if not 0.0 < a["targetKVCacheUsage"] <= 1.0:
             errors.append("autoscaling.targetKVCacheUsage must be in (0, 1]")
-        if not a["targetWaitingRequests"] > 0.0:
+        if "targetWaitingRequests" in a and not a["targetWaitingRequests"] > 0.0:
             errors.append("autoscaling.targetWaitingRequests must be > 0")
     except (KeyError, TypeError):
         pass  # already reported by the schema check

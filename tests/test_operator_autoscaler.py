@@ -296,3 +296,16 @@ def test_batch_occupancy_from_spec_and_tick_passes_max_num_seqs():
     assert Policy.from_spec(a).max_num_seqs == 0  # unknown unless the caller knows the engine
     p = Policy.from_spec(a, max_num_seqs=64)
     assert (p.target_batch_occupancy, p.max_num_seqs) == (0.5, 64)
+
+
+def test_a_set_waiting_target_adds_its_signal_beside_occupancy():
+    p = Policy(min_replicas=1, max_replicas=100, max_num_seqs=256, panic_threshold=10, max_scale_up_rate=100)
+    obs = occupancy_obs([100] * 4, waiting=20)  # occupancy (400 + 80) / 128 asks for 4
+    assert Autoscaler(p).decide(0.0, 4, obs).desired == 4
+    eager = Policy(min_replicas=1, max_replicas=100, max_num_seqs=256, panic_threshold=10, max_scale_up_rate=100,
+                   target_waiting_requests=4)
+    assert Autoscaler(eager).decide(0.0, 4, obs).desired == 20  # 80 waiting at 4 a pod
+    from kvpilot.operator import crd
+    a = crd.default_spec({"model": {"uri": "hf://o/m"}})["autoscaling"]
+    assert "targetWaitingRequests" not in a and Policy.from_spec(a).target_waiting_requests is None
+    assert Policy.from_spec({**a, "targetWaitingRequests": 2}).target_waiting_requests == 2.0
