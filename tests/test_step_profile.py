@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.daemon.engine import LLM
-from kvpilot.daemon.engine.models import llama
+from kvpilot.daemon.engine.models import decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
@@ -17,7 +17,7 @@ from step_profile import RUN_CATEGORIES, decode_entries, prefill_entries, profil
 
 def test_profiles_decode_and_prefill_and_restores_the_model(llm: LLM) -> None:
     runner = llm.engine.runner
-    plain_linear = llama.linear
+    plain_linear = decoder.linear
     entries = decode_entries(batch=3, context=20, block_size=runner.block_size)
     before = runner.execute(entries).clone()
 
@@ -35,13 +35,13 @@ def test_profiles_decode_and_prefill_and_restores_the_model(llm: LLM) -> None:
             assert shape["ms"][kind] > 0, kind
     assert decode["ms"]["decode_attention"] > 0
     assert prefill["ms"]["prefill_attention"] > 0
-    assert llama.linear is plain_linear
+    assert decoder.linear is plain_linear
     assert "forward" not in vars(runner.model)
 
 
 def test_profiles_a_whole_run_and_restores_the_runner(llm: LLM) -> None:
     runner = llm.engine.runner
-    plain_linear = llama.linear
+    plain_linear = decoder.linear
     work = [([100 + i for i in range(40)], 3), ([7 * i + 11 for i in range(25)], 2)]
     run = profile_run(llm, work)
 
@@ -55,4 +55,4 @@ def test_profiles_a_whole_run_and_restores_the_runner(llm: LLM) -> None:
     assert abs(sum(run["seconds"][k] for k in RUN_CATEGORIES) - run["profiled_s"]) <= 0.01 * run["profiled_s"]
     assert set(run["gemm_gflops"]) == {"gemm_qkv", "gemm_o", "gemm_gate_up", "gemm_down", "lm_head"}
     assert "execute" not in vars(runner) and "forward" not in vars(runner.model)
-    assert llama.linear is plain_linear
+    assert decoder.linear is plain_linear

@@ -157,7 +157,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from kvpilot.common.tokenizer import load_tokenizer
 
     from .model_files import load_config
-    from .models import get_model_class
+    from .models import get_model_class, text_config
 
     t0 = time.perf_counter()
     configure_kernels(config)
@@ -168,6 +168,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except Exception as e:
         raise ValueError(f"model {uri!r}: cannot read config.json in {str(path)!r}: {e}") from e
     model_cls = get_model_class(hf_config, uri)
+    full_config, hf_config = hf_config, text_config(hf_config)  # a multimodal checkpoint's text decoder
 
     model_max = _model_max_len(hf_config)
     if config.max_model_len is not None and config.max_model_len > model_max:
@@ -183,7 +184,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except Exception as e:
         raise ValueError(f"model {uri!r}: cannot load a tokenizer from {str(path)!r}: {e}") from e
 
-    model = model_cls(hf_config, max_model_len=max_model_len, dtype=dtype, device=device)
+    try:
+        model = model_cls(hf_config, max_model_len=max_model_len, dtype=dtype, device=device)
+    except ValueError as e:  # a config field the native model cannot follow (RoPE type, activation, ...)
+        raise ValueError(f"model {uri!r}: {e}") from e
     try:
         model.load_weights(_iter_safetensors(path))
     except (KeyError, RuntimeError) as e:
@@ -199,7 +203,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         model=model,
         hf_config=hf_config,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_ids(path, hf_config, tokenizer),
+        eos_token_ids=_eos_ids(path, hf_config, tokenizer) | _eos_ids(path, full_config, tokenizer),
         max_model_len=max_model_len,
         dtype=dtype,
         device=device,

@@ -6,22 +6,43 @@ from typing import Any
 
 from torch import nn
 
+from .archs import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    LlamaForCausalLM,
+    Olmo2ForCausalLM,
+    Phi3ForCausalLM,
+    Qwen3ForCausalLM,
+)
 from .base import AttentionMetadata, OutputRows
-from .llama import LlamaForCausalLM
+from .decoder import text_config
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "OutputRows", "MODEL_REGISTRY", "get_model_class"]
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "OutputRows", "MODEL_REGISTRY", "get_model_class",
+           "text_config"]
 
 # HF class names in config.json "architectures" -> our implementation
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its text decoder; images are not served
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 # for configs without "architectures" (e.g. converted by hand): model_type -> class
 _BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
+    "phi3": Phi3ForCausalLM,
+    "olmo2": Olmo2ForCausalLM,
 }
 
 

