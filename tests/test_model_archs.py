@@ -173,6 +173,8 @@ def test_gemma2_attention_soft_cap(tiny: Callable[[str], tuple[Path, Any]], tmp_
 def test_every_registered_architecture_is_tested() -> None:
     tested = {"Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma2ForCausalLM",
               "Phi3ForCausalLM", "Olmo2ForCausalLM"}
+    # the mixture-of-experts architectures are tests/test_model_moe.py's
+    tested |= {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
     # Llama, Mistral and Qwen2 are tests/test_model_parity.py's
     assert set(MODEL_REGISTRY) == tested | {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 

@@ -101,13 +101,35 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 # ----------------------------------------------------------------------------- load
 
 
-def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(folder: Path, uri: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors, one shard open at a time. With ``model.safetensors.index.json`` only the files
+    its weight_map names are read: repos may also ship other *.safetensors (Mistral's consolidated.safetensors
+    holds the same weights under other names). Checked before the first tensor is read, so a missing shard
+    fails at once rather than after the others were copied in."""
     from safetensors import safe_open
 
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, sf.get_tensor(name)
+    model = uri or str(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted({str(v) for v in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"model {model!r}: cannot read {str(index)!r}: {e}") from e
+        files = [folder / s for s in shards]
+        missing = [s for s, f in zip(shards, files, strict=True) if not f.is_file()]
+        if missing:
+            raise ValueError(f"model {model!r}: shard {missing[0]!r} listed in {index.name} is missing from {str(folder)!r}")
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, sf.get_tensor(name)
+
+    return tensors()
 
 
 def _eos_ids(path: Path, hf_config: Any, tokenizer: Any) -> frozenset[int]:
@@ -189,7 +211,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except ValueError as e:  # a config field the native model cannot follow (RoPE type, activation, ...)
         raise ValueError(f"model {uri!r}: {e}") from e
     try:
-        model.load_weights(_iter_safetensors(path))
+        model.load_weights(_iter_safetensors(path, uri))
     except (KeyError, RuntimeError) as e:
         raise ValueError(f"model {uri!r}: weights in {str(path)!r} do not fit {model_cls.__name__}: {e}") from e
     model.eval()

@@ -24,6 +24,10 @@ FAMILIES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("Gemma 3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "text only"),
     ("Phi-3", ("Phi3ForCausalLM",), "LongRoPE"),
     ("OLMo 2", ("Olmo2ForCausalLM",), ""),
+    ("Mixtral", ("MixtralForCausalLM",), "mixture of experts"),
+    ("Qwen2-MoE", ("Qwen2MoeForCausalLM",), "shared expert"),
+    ("Qwen3-MoE", ("Qwen3MoeForCausalLM",), "e.g. Qwen3-30B-A3B"),
+    ("gpt-oss", ("GptOssForCausalLM",), "bfloat16 weights, not MXFP4"),
 )
 
 

@@ -9,10 +9,14 @@ from torch import nn
 from .archs import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
+    GptOssForCausalLM,
     LlamaForCausalLM,
+    MixtralForCausalLM,
     Olmo2ForCausalLM,
     Phi3ForCausalLM,
+    Qwen2MoeForCausalLM,
     Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
 )
 from .base import AttentionMetadata, OutputRows
 from .decoder import text_config
@@ -31,6 +35,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its text decoder; images are not served
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 # for configs without "architectures" (e.g. converted by hand): model_type -> class
 _BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
@@ -43,6 +51,10 @@ _BY_MODEL_TYPE: dict[str, type[nn.Module]] = {
     "gemma3": Gemma3ForCausalLM,
     "phi3": Phi3ForCausalLM,
     "olmo2": Olmo2ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

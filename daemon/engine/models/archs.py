@@ -6,6 +6,7 @@ does not do (another activation, bidirectional attention) is a ``ValueError`` na
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from .decoder import DecoderForCausalLM
@@ -18,12 +19,14 @@ from .spec import (
     SANDWICH_NORMS,
     DecoderSpec,
     LayerSpec,
+    MoESpec,
     WeightNames,
 )
 
 __all__ = [
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-    "Olmo2ForCausalLM", "layer_sliding_window",
+    "Olmo2ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+    "layer_sliding_window",
 ]
 
 
@@ -61,7 +64,8 @@ def _per_type_rope(config: Any) -> bool:
     return bool(types) and all(isinstance(params.get(t), dict) for t in types)
 
 
-def _base(config: Any, arch: str, weights: WeightNames, **options: Any) -> DecoderSpec:
+def _base(config: Any, arch: str, weights: WeightNames, *, moe_layers: Sequence[bool] = (),
+          **options: Any) -> DecoderSpec:
     hidden = int(_need(config, arch, "hidden_size"))
     heads = int(_need(config, arch, "num_attention_heads"))
     n = int(_need(config, arch, "num_hidden_layers"))
@@ -79,7 +83,8 @@ def _base(config: Any, arch: str, weights: WeightNames, **options: Any) -> Decod
         eps=float(_need(config, arch, "rms_norm_eps")),
         weights=weights,
         layers=tuple(LayerSpec(sliding_window=layer_sliding_window(config, i),
-                               rope_key=layer_types[i] if per_type else None) for i in range(n)),
+                               rope_key=layer_types[i] if per_type else None,
+                               moe=bool(moe_layers) and moe_layers[i]) for i in range(n)),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         **options,
     )
@@ -172,3 +177,94 @@ class Phi3ForCausalLM(DecoderForCausalLM):
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
     build_spec = staticmethod(olmo2_spec)
+
+
+# ------------------------------------------------------------------ mixture of experts
+
+
+def _refuse_quantized(config: Any, arch: str) -> None:
+    """The MoE models load float weights only: a quantized checkpoint (gpt-oss's MXFP4 experts) is refused."""
+    qc = getattr(config, "quantization_config", None)
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
+        raise ValueError(f"{arch}: quantization_config with quant_method={str(method)!r} is not supported "
+                         "(quantized MoE checkpoints are not; use one with bfloat16/float weights)")
+
+
+def _moe_common(config: Any, arch: str, experts_field: str, inter_field: str) -> dict[str, Any]:
+    _refuse_quantized(config, arch)
+    experts, k = int(_need(config, arch, experts_field)), int(_need(config, arch, "num_experts_per_tok"))
+    if not 1 <= k <= experts:
+        raise ValueError(f"{arch}: num_experts_per_tok={k} must be in [1, {experts_field}={experts}]")
+    return {"num_experts": experts, "top_k": k, "intermediate_size": int(_need(config, arch, inter_field))}
+
+
+def _qwen_moe_layers(config: Any, arch: str) -> list[bool]:
+    """Qwen-MoE's sparse layers: every decoder_sparse_step-th one, except mlp_only_layers (HF's rule)."""
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    experts = int(_need(config, arch, "num_experts"))
+    return [i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(int(config.num_hidden_layers))]
+
+
+def mixtral_spec(config: Any) -> DecoderSpec:
+    """Mixtral: Mistral with a block_sparse_moe of renormalized top-k SiLU experts in every layer."""
+    arch = "MixtralForCausalLM"
+    moe = MoESpec(**_moe_common(config, arch, "num_local_experts", "intermediate_size"), block="block_sparse_moe",
+                  expert_names=("w1", "w3", "w2"), aliases=("mlp",), renormalize=True)
+    return _base(config, arch, WeightNames(LLAMA_PROJECTIONS, PRE_NORMS), moe=moe,
+                 moe_layers=[True] * int(_need(config, arch, "num_hidden_layers")),
+                 activation=_activation(config, arch, _SILU, "silu"))
+
+
+def qwen2_moe_spec(config: Any) -> DecoderSpec:
+    """Qwen2-MoE: Qwen2 attention (q/k/v bias per qkv_bias), MoE layers with a sigmoid-gated shared expert."""
+    arch = "Qwen2MoeForCausalLM"
+    moe = MoESpec(**_moe_common(config, arch, "num_experts", "moe_intermediate_size"), block="mlp",
+                  renormalize=bool(getattr(config, "norm_topk_prob", False)),
+                  shared_expert_size=int(_need(config, arch, "shared_expert_intermediate_size")))
+    return _base(config, arch, WeightNames(LLAMA_PROJECTIONS, PRE_NORMS), moe=moe,
+                 moe_layers=_qwen_moe_layers(config, arch), qkv_bias=bool(getattr(config, "qkv_bias", True)),
+                 activation=_activation(config, arch, _SILU, "silu"))
+
+
+def qwen3_moe_spec(config: Any) -> DecoderSpec:
+    """Qwen3-MoE: Qwen3 attention (per-head q/k norms) and MoE layers without a shared expert."""
+    arch = "Qwen3MoeForCausalLM"
+    bias = bool(getattr(config, "attention_bias", False))
+    moe = MoESpec(**_moe_common(config, arch, "num_experts", "moe_intermediate_size"), block="mlp",
+                  renormalize=bool(getattr(config, "norm_topk_prob", False)))
+    return _base(config, arch, WeightNames(LLAMA_PROJECTIONS, PRE_NORMS + QK_NORMS), moe=moe,
+                 moe_layers=_qwen_moe_layers(config, arch), qkv_bias=bias, o_bias=bias, qk_norm="per_head",
+                 activation=_activation(config, arch, _SILU, "silu"))
+
+
+def gpt_oss_spec(config: Any) -> DecoderSpec:
+    """gpt-oss: attention sinks and biases, sliding window on the layer_types' sliding layers, YaRN, and MoE
+    layers with a biased router (top-k, then softmax), biased experts and the clamped SwiGLU."""
+    arch = "GptOssForCausalLM"
+    bias = bool(getattr(config, "attention_bias", True))
+    moe = MoESpec(**_moe_common(config, arch, "num_local_experts", "intermediate_size"), block="mlp",
+                  router="router", fused="gpt_oss", routing="topk_softmax", router_bias=True, expert_bias=True,
+                  activation="gpt_oss", swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
+                  swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)))
+    # its RMSNorm scales in float32, then casts (HF keeps the norms in float32)
+    return _base(config, arch, WeightNames(LLAMA_PROJECTIONS, PRE_NORMS), moe=moe,
+                 moe_layers=[True] * int(_need(config, arch, "num_hidden_layers")),
+                 qkv_bias=bias, o_bias=bias, attn_sinks=True, norm_weight="float32")
+
+
+class MixtralForCausalLM(DecoderForCausalLM):
+    build_spec = staticmethod(mixtral_spec)
+
+
+class Qwen2MoeForCausalLM(DecoderForCausalLM):
+    build_spec = staticmethod(qwen2_moe_spec)
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    build_spec = staticmethod(qwen3_moe_spec)
+
+
+class GptOssForCausalLM(DecoderForCausalLM):
+    build_spec = staticmethod(gpt_oss_spec)

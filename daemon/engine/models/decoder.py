@@ -1,5 +1,6 @@
 """The one native dense decoder over the paged KV cache, shaped by a ``DecoderSpec`` (spec.py; built per
-architecture in archs.py): Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2.
+architecture in archs.py): Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, and with a mixture-of-experts MLP
+(moe.py) on the layers the spec marks: Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss.
 
 One forward pass runs one flattened varlen batch: ``input_ids``/``positions`` are ``[T]`` with the
 tokens of all scheduled sequences back to back. Each layer writes its new K/V with
@@ -25,6 +26,7 @@ from kvpilot.kernels import ops
 from ..host_malloc import row_slices
 from .base import AttentionMetadata, OutputRows
 from .linear import Linear, keep_panels, linear, prepack, prepack_supported
+from .moe import MoEBlock
 from .parallel import SINGLE, ParallelContext
 from .quantization import QuantMethod, get_quant_method
 from .quantization.unquantized import panels_in_place
@@ -79,12 +81,23 @@ class DecoderLayer(nn.Module):
         kw = {"dtype": dtype, "device": device, "quant_method": quant_method, "parallel": parallel}
         self.qkv_proj = Linear.qkv(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=spec.qkv_bias, **kw)
         self.o_proj = Linear.row(self.q_size, hidden, bias=spec.o_bias, what="num_attention_heads * head_dim", **kw)
-        self.gate_up_proj = Linear.column(hidden, [inter, inter], bias=spec.mlp_bias, what="intermediate_size", **kw)
-        self.down_proj = Linear.row(inter, hidden, bias=spec.mlp_bias, what="intermediate_size", **kw)
-        # this rank's heads and MLP width (all of them with one rank)
+        # the MLP: dense gate|up and down, or the spec's MoE block on the layers it marks
+        self.moe: MoEBlock | None = None
+        self.gate_up_proj: Linear | None = None
+        self.down_proj: Linear | None = None
+        if spec.layers[layer_idx].moe:
+            self.moe = MoEBlock(spec, **kw)
+            self.local_inter = self.moe.local_inter
+        else:
+            self.gate_up_proj = Linear.column(hidden, [inter, inter], bias=spec.mlp_bias, what="intermediate_size", **kw)
+            self.down_proj = Linear.row(inter, hidden, bias=spec.mlp_bias, what="intermediate_size", **kw)
+            self.local_inter = self.gate_up_proj.partitions[0][2]
+        # this rank's heads (all of them with one rank)
         self.local_heads = self.qkv_proj.partitions[0][2] // self.head_dim
         self.local_kv_heads = self.qkv_proj.partitions[1][2] // self.head_dim
-        self.local_inter = self.gate_up_proj.partitions[0][2]
+        self.q_head_start = self.qkv_proj.partitions[0][1] // self.head_dim
+        # gpt-oss's sink logits, float32 as ops.paged_attention takes them: this rank's heads
+        self.sinks = _param(self.local_heads, dtype=torch.float32, device=device) if spec.attn_sinks else None
 
         if spec.qk_norm == "projection" and parallel.tp_size > 1:
             # the norm spans every head: a split would need the sum of squares over the ranks
@@ -105,6 +118,9 @@ class DecoderLayer(nn.Module):
             self.attn_kwargs["soft_cap"] = spec.attn_soft_cap
 
     def projections(self) -> tuple[Linear, ...]:
+        if self.moe is not None:
+            return (self.qkv_proj, self.o_proj, *self.moe.projections())
+        assert self.gate_up_proj is not None and self.down_proj is not None
         return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
 
     def gemm_weight_bytes(self) -> int:
@@ -153,6 +169,7 @@ class DecoderLayer(nn.Module):
             max_query_len=meta.max_query_len,
             max_context_len=meta.max_context_len,
             sliding_window=self.sliding_window,
+            sinks=self.sinks,
             **self.attn_kwargs,
         )
         if self.post_attn_norm is None:  # pre-norm: the residual add fused into the GEMM
@@ -163,7 +180,8 @@ class DecoderLayer(nn.Module):
         # the MLP, on the CPU in slices of rows whose gate|up output stays within malloc's reach: a larger
         # one is a fresh mapping that faults in on every step (a 1B-class model faulted on every 2048-token
         # step without the slices; CHANGELOG.md). SmolLM2's 24 MiB at 2048 rows stays whole.
-        slices = row_slices(t, 2 * self.local_inter * h.element_size()) if h.device.type == "cpu" else None
+        row_bytes = 2 * self.local_inter * h.element_size() if self.moe is None else self.moe.row_bytes(h.element_size())
+        slices = row_slices(t, row_bytes) if h.device.type == "cpu" else None
         if slices is None:
             return self._mlp(h)
         return torch.cat([self._mlp(h[rows]) for rows in slices])
@@ -183,7 +201,12 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         """``h`` plus the MLP of ``h``, with the norms the spec places around it."""
-        gu = self.gate_up_proj(h if self.pre_mlp_norm is None else _rms_norm(h, self.pre_mlp_norm, self.eps))
+        x = h if self.pre_mlp_norm is None else _rms_norm(h, self.pre_mlp_norm, self.eps)
+        if self.moe is not None:
+            y = self.moe(x)
+            return h + (y if self.post_mlp_norm is None else _rms_norm(y, self.post_mlp_norm, self.eps))
+        assert self.gate_up_proj is not None and self.down_proj is not None
+        gu = self.gate_up_proj(x)
         act = self._activation(gu)
         if self.post_mlp_norm is None:
             return self.down_proj(act, residual=h)
@@ -365,17 +388,30 @@ class DecoderForCausalLM(nn.Module):
             if key is None or "rotary_emb." in key or (key == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             try:
-                if not self._load_one(key, w):
-                    skipped.append(name)
-                    continue
+                covered = self._load_moe(key, w)  # a fused expert tensor covers many expected names
+                if not covered:
+                    covered = (key,) if self._load_one(key, w) else ()
             except RuntimeError as e:
                 raise RuntimeError(f"{name}: {e}") from None
-            loaded.add(key)
+            if not covered:
+                skipped.append(name)
+                continue
+            loaded.update(covered)
         if skipped:
             logger.warning("ignored %d unknown checkpoint tensors, e.g. %s", len(skipped), skipped[:3])
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _load_moe(self, key: str, w: torch.Tensor) -> tuple[str, ...]:
+        """Tensor ``key`` into its layer's MoE block; the expected names it covers, () where it is none of it."""
+        parts = key.split(".", 2)
+        if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= self.num_layers:
+            return ()
+        block = self.layers[int(parts[1])].moe
+        if block is None:
+            return ()
+        return tuple(f"layers.{parts[1]}.{rel}" for rel in block.load(parts[2], w))
 
     def _load_one(self, key: str, w: torch.Tensor) -> bool:
         """Tensor ``key`` (prefix-free HF name) into its place; False where it has none."""
@@ -390,6 +426,9 @@ class DecoderForCausalLM(nn.Module):
             return False
         layer: DecoderLayer = self.layers[int(parts[1])]  # type: ignore[assignment]
         sub, kind = ".".join(parts[2:-1]), parts[-1]
+        if sub == "self_attn" and kind == "sinks" and layer.sinks is not None:  # this rank's heads
+            return _copy(layer.sinks.data, w.narrow(0, layer.q_head_start, layer.local_heads)
+                         if w.shape == (self.num_heads,) else w)
         role = dict(self.spec.weights.norms).get(sub)
         if role is not None and kind == "weight":
             w = self._norm_weight(w)
@@ -399,7 +438,9 @@ class DecoderForCausalLM(nn.Module):
         target = {hf: (attr, part) for hf, attr, part in self.spec.weights.projections}.get(sub)
         if target is None:
             return False
-        proj: Linear = getattr(layer, target[0])
+        proj: Linear | None = getattr(layer, target[0])
+        if proj is None:  # a dense MLP's name on a MoE layer
+            return False
         known = proj.quant_method.checkpoint_names() + (("bias",) if proj.bias is not None else ())
         if kind not in known:
             return False
@@ -428,8 +469,14 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             names |= {f"{p}{hf}.weight" for hf, _ in self.spec.weights.norms}
+            if layer.sinks is not None:
+                names.add(f"{p}self_attn.sinks")
+            if layer.moe is not None:
+                names |= {p + rel for rel in layer.moe.expected_names()}
             for hf, attr, _ in self.spec.weights.projections:
-                proj: Linear = getattr(layer, attr)
+                proj: Linear | None = getattr(layer, attr)
+                if proj is None:
+                    continue
                 kinds = (*proj.quant_method.checkpoint_names(), *(("bias",) if proj.bias is not None else ()))
                 names |= {f"{p}{hf}.{kind}" for kind in kinds}
         return names

