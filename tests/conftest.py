@@ -13,6 +13,15 @@ from kvpilot.daemon.engine import LLM
 # tests/test_host_memory.py turns it on to test it.
 os.environ.setdefault("KVPILOT_POPULATE_KV", "0")
 
+# tests/test_kernels.py's narrower-builds test runs the native-kernel tests in a child with the library built
+# with extra flags: a test-only variable (KVPILOT_TEST_* is no flag's), turned into the kernels' setting here
+if _test_cflags := os.environ.get("KVPILOT_TEST_CPU_KERNEL_CFLAGS", "").split():
+    from dataclasses import replace
+
+    from kvpilot.kernels import ops
+
+    ops.configure(replace(ops.current(), cpu_kernel_cflags=tuple(_test_cflags)))
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:

@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,10 +18,7 @@ import torch
 from kvpilot.kernels import ops as K
 from kvpilot.kernels import reference as R
 
-# the narrower-builds test below runs this file in a child with the library built with extra flags (as
-# tests/test_kernels.py does): a test-only variable, turned into the kernels' setting here
-if _test_cflags := os.environ.get("KVPILOT_TEST_CPU_KERNEL_CFLAGS", "").split():
-    K.configure(replace(K.current(), cpu_kernel_cflags=tuple(_test_cflags)))
+# tests/test_kernels.py's narrower-builds test runs this file's native tests against narrower builds too
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cc = pytest.mark.skipif(
@@ -440,35 +436,3 @@ def test_triton_features_validation_and_dispatch(tk):
 if not (INTERPRETED or TRITON_TEST_DEVICE):  # the child processes started above run these
     for _name in [n for n in globals() if n.startswith("test_triton_")]:
         del globals()[_name]
-
-
-# ------------------------------------------------------------------------------------- narrower CPU builds
-
-
-@needs_cc
-@pytest.mark.slow
-@pytest.mark.parametrize("flags,dropped", [("-mno-avx2 -mno-fma", ("__AVX2__", "__FMA__")),
-                                           ("-mno-avx512f", ("__AVX512F__",)),
-                                           ("-mno-avx512bf16", ("__AVX512BF16__",))],
-                         ids=["portable", "avx2", "avx512-without-bf16"])
-def test_narrower_builds_pass_the_feature_tests(tmp_path, flags, dropped):
-    # the native tests above against the kernels built without AVX2/FMA (plain C), without AVX-512 (AVX2 paths)
-    # and without AVX512-BF16, where this machine may have more (as tests/test_kernels.py does for its tests)
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    native = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
-                            text=True)
-    if not all(f"#define {macro} " in native.stdout for macro in dropped):
-        pytest.skip(f"the native build has no {' '.join(dropped)} to turn off: it runs the narrower paths already")
-    probe = subprocess.run([cc, "-march=native", *flags.split(), "-dM", "-E", "-x", "c", "-"], input="",
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"{cc} does not take {flags}")
-    assert not any(f"#define {macro} " in probe.stdout for macro in dropped)
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native and not narrower"],
-        capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent,
-        env=dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), KVPILOT_TEST_CPU_KERNEL_CFLAGS=flags),
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and " failed" not in r.stdout
-    assert len(list(tmp_path.glob("kernels/*.so"))) == 1  # the narrower build, keyed apart from the native one

@@ -18,11 +18,6 @@ import torch
 from kvpilot.kernels import ops as K
 from kvpilot.kernels import reference as R
 
-# test_narrower_builds_pass_the_kernel_tests runs this file in a child with the library built with extra
-# flags: a test-only variable (KVPILOT_TEST_* is no flag's), turned into the kernels' setting here
-if _test_cflags := os.environ.get("KVPILOT_TEST_CPU_KERNEL_CFLAGS", "").split():
-    K.configure(replace(K.current(), cpu_kernel_cflags=tuple(_test_cflags)))
-
 
 @pytest.fixture
 def kernel_settings() -> Iterator[Callable[..., None]]:
@@ -726,7 +721,8 @@ def test_native_cpu_kernel_builds_into_a_fresh_cache(tmp_path):
 def test_narrower_builds_pass_the_kernel_tests(tmp_path, flags, dropped):
     # CPUs without AVX2/FMA run the kernels' plain C loops, AVX2-only CPUs their AVX2 paths, and AVX-512 CPUs
     # without bfloat16 dot products a bfloat16 model's attention in float32, where this machine may have more:
-    # build the library with those extensions off into a fresh cache and run every native-kernel test against it
+    # build the library with those extensions off into a fresh cache and run every native-kernel test against
+    # it, this file's and the attention features' (soft-cap, sinks) in one child
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     native = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
                             text=True)
@@ -738,8 +734,9 @@ def test_narrower_builds_pass_the_kernel_tests(tmp_path, flags, dropped):
         pytest.skip(f"{cc} does not take {flags}")
     assert not any(f"#define {macro} " in probe.stdout for macro in dropped)
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "native and not narrower"],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         str(Path(__file__).with_name("test_attention_features.py")), "-k", "native and not narrower"],
+        capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent,
         env=dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), KVPILOT_TEST_CPU_KERNEL_CFLAGS=flags),
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
