@@ -17,13 +17,10 @@ import torch
 
 from kvpilot.common.model_source import resolve_model_path
 from kvpilot.daemon.engine import LLM
-from kvpilot.daemon.engine.sampling_params import SamplingParams
+from support.hf_parity import ATOL, WINDOW, max_logprob_error
 
 gguf = pytest.importorskip("gguf")
 
-ATOL = 1e-3
-TIE = 1e-4  # a greedy token may differ from HF's argmax only where both are this close
-WINDOW = 8
 COMMON = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
           "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.08}
 
@@ -228,25 +225,6 @@ def test_conversion_matches_hf(arch: str, built: Callable[[str], tuple[Path, Any
         assert eos == 259
 
 
-def _check(llm: LLM, hf: Any, prompts: list[list[int]], steps: int = 4) -> float:
-    """Max |logprob - HF's| over every prompt and generated token; asserts the greedy tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps, prompt_logprobs=1, logprobs=1, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    worst = 0.0
-    for prompt, out in zip(prompts, outs, strict=True):
-        gen = list(out.outputs[0].token_ids)
-        with torch.inference_mode():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + gen])).logits[0].float(), dim=-1)
-        for i in range(1, len(prompt)):
-            worst = max(worst, abs(out.prompt_logprobs[i][prompt[i]].logprob - float(ref[i - 1, prompt[i]])))
-        for j, tok in enumerate(gen):
-            p = len(prompt) + j - 1
-            best = int(ref[p].argmax())
-            assert tok == best or float(ref[p, best] - ref[p, tok]) < TIE, f"greedy token {j}: {tok} != HF's {best}"
-            worst = max(worst, abs(out.outputs[0].logprobs[j][tok].logprob - float(ref[p, tok])))
-    return worst
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engine_on_the_gguf_matches_hf(arch: str, built: Callable[[str], tuple[Path, Any]]) -> None:
     path, hf = built(arch)
@@ -255,7 +233,7 @@ def test_engine_on_the_gguf_matches_hf(arch: str, built: Callable[[str], tuple[P
     prompts = [torch.randint(6, vocab, (n,), generator=gen).tolist() for n in (21, 13)]  # past the windows
     # max_model_len within Phi-3's original window: the short LongRoPE factors, as HF uses for these lengths
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=16, max_model_len=64)
-    worst = _check(llm, hf, prompts)
+    worst = max_logprob_error(llm, hf, prompts)
     print(f"{arch}: max |logprob - HF| = {worst:.2e}")
     assert worst < ATOL
 

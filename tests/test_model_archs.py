@@ -17,15 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.common.model_source import resolve_model_path
 from kvpilot.daemon.engine import LLM
 from kvpilot.daemon.engine.models import MODEL_REGISTRY
-from kvpilot.daemon.engine.sampling_params import SamplingParams
 from support import models_table
+from support.hf_parity import ATOL, WINDOW, max_logprob_error, save_tiny, token_prompts
 
-ATOL = 1e-3
-TIE = 1e-4  # a greedy token may differ from HF's argmax only where both are this close
-WINDOW = 8
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
         "initializer_range": 0.08, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -68,12 +64,6 @@ def _configs() -> dict[str, Callable[[], tuple[Any, type]]]:
     }
 
 
-def _tokenizer_files(folder: Path) -> None:
-    builtin = resolve_model_path("builtin://smollm2-135m")  # any tokenizer does: the tests feed ids
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(builtin / name, folder / name)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
     """name -> (saved folder, HF model), each built once per module."""
@@ -82,49 +72,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path
     def build(name: str) -> tuple[Path, Any]:
         if name not in cache:
             cfg, cls = _configs()[name]()
-            torch.manual_seed(0)
-            hf = cls(cfg).to(torch.float32).eval()
-            with torch.no_grad():  # HF inits biases to 0 and norms to 1 (Gemma: 0): random ones make them count
-                for n, p in hf.named_parameters():
-                    if n.endswith(".bias") or "norm" in n:
-                        p.add_(torch.randn_like(p) * 0.2)
             folder = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(folder)
-            _tokenizer_files(folder)
+            hf = save_tiny(cfg, cls, folder, lambda n: n.endswith(".bias") or "norm" in n)
             cache[name] = (folder, hf)
         return cache[name]
 
     return build
-
-
-def _prompts(seed: int = 1) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    first = torch.randint(3, 256, (50,), generator=gen).tolist()
-    # the third shares 2 blocks (32 tokens) with the first: a prefix-cache hit on a second pass
-    return [first, torch.randint(3, 256, (37,), generator=gen).tolist(),
-            first[:32] + torch.randint(3, 256, (9,), generator=gen).tolist()]
-
-
-def _check(llm: LLM, hf: Any, prompts: list[list[int]], steps: int = 4) -> float:
-    """Max |logprob - HF's| over every prompt and generated token; asserts the greedy tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps, prompt_logprobs=1, logprobs=1, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    worst = 0.0
-    for prompt, out in zip(prompts, outs, strict=True):
-        gen = list(out.outputs[0].token_ids)
-        assert len(gen) == steps
-        ids = prompt + gen
-        with torch.inference_mode():
-            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
-        for i in range(1, len(prompt)):
-            worst = max(worst, abs(out.prompt_logprobs[i][prompt[i]].logprob - float(ref[i - 1, prompt[i]])))
-        for j, tok in enumerate(gen):
-            p = len(prompt) + j - 1
-            best = int(ref[p].argmax())
-            assert tok == best or float(ref[p, best] - ref[p, tok]) < TIE, f"greedy token {j}: {tok} != HF's {best}"
-            worst = max(worst, abs(out.outputs[0].logprobs[j][tok].logprob - float(ref[p, tok])))
-    return worst
 
 
 WORST: dict[str, float] = {}
@@ -134,13 +87,13 @@ WORST: dict[str, float] = {}
 def test_matches_hf(name: str, tiny: Callable[[str], tuple[Path, Any]]) -> None:
     folder, hf = tiny(name)
     max_len = 64 if name == "phi3_short" else None  # LongRoPE's short factors: every position in the window
-    prompts = _prompts()
+    prompts = token_prompts()
     llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, max_model_len=max_len)
-    worst = _check(llm, hf, prompts)
-    worst = max(worst, _check(llm, hf, prompts))  # again: the prompts' blocks are now in the prefix cache
+    worst = max_logprob_error(llm, hf, prompts)
+    worst = max(worst, max_logprob_error(llm, hf, prompts))  # again: the prompts' blocks are now in the prefix cache
     chunked = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, max_model_len=max_len,
                   max_num_batched_tokens=16, enable_prefix_caching=False)
-    worst = max(worst, _check(chunked, hf, prompts))
+    worst = max(worst, max_logprob_error(chunked, hf, prompts))
     WORST[name] = worst
     print(f"{name}: max |logprob - HF| = {worst:.2e}")
     assert worst < ATOL, f"{name}: max |logprob - HF| = {worst:.2e}"
@@ -152,7 +105,7 @@ def test_phi3_long_rope_beyond_the_original_window(tiny: Callable[[str], tuple[P
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (90,), generator=gen).tolist(), torch.randint(3, 256, (70,), generator=gen).tolist()]
     llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64)
-    worst = _check(llm, hf, prompts)
+    worst = max_logprob_error(llm, hf, prompts)
     print(f"phi3_long: max |logprob - HF| = {worst:.2e}")
     assert worst < ATOL
 
@@ -167,7 +120,7 @@ def test_gemma2_attention_soft_cap(tiny: Callable[[str], tuple[Path, Any]], tmp_
 
     hf_capped = AutoModelForCausalLM.from_pretrained(str(capped), dtype=torch.float32).eval()
     llm = LLM(model=str(capped), dtype="float32", num_kv_blocks=64)
-    assert _check(llm, hf_capped, _prompts()) < ATOL
+    assert max_logprob_error(llm, hf_capped, token_prompts()) < ATOL
 
 
 def test_every_registered_architecture_is_tested() -> None:

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_model_archs import ATOL, WINDOW, _check, _prompts, _tokenizer_files
 
 from kvpilot.daemon.engine import LLM
 from kvpilot.kernels import ops
+from support.hf_parity import ATOL, WINDOW, max_logprob_error, save_tiny, token_prompts
 
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.08, "pad_token_id": 0,
@@ -64,15 +64,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path
     def build(name: str) -> tuple[Path, Any]:
         if name not in cache:
             cfg, cls = _configs()[name]()
-            torch.manual_seed(0)
-            hf = cls(cfg).to(torch.float32).eval()
-            with torch.no_grad():  # HF inits biases to 0, norms to 1 and some routers to 0: random ones make them count
-                for n, p in hf.named_parameters():
-                    if n.endswith("bias") or "norm" in n or n.endswith(("sinks", "gate.weight", "router.weight")):
-                        p.add_(torch.randn_like(p) * 0.2)
             folder = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(folder)
-            _tokenizer_files(folder)
+            # routers and sinks too: HF initializes some routers to 0
+            hf = save_tiny(cfg, cls, folder, lambda n: n.endswith("bias") or "norm" in n
+                           or n.endswith(("sinks", "gate.weight", "router.weight")))
             cache[name] = (folder, hf)
         return cache[name]
 
@@ -84,12 +79,12 @@ def _llm(folder: Path, **kw: Any) -> LLM:
 
 
 def _parity(folder: Path, hf: Any) -> float:
-    prompts = _prompts()
+    prompts = token_prompts()
     llm = _llm(folder)
-    worst = _check(llm, hf, prompts)
-    worst = max(worst, _check(llm, hf, prompts))  # again: the prompts' blocks are now in the prefix cache
+    worst = max_logprob_error(llm, hf, prompts)
+    worst = max(worst, max_logprob_error(llm, hf, prompts))  # again: the prompts' blocks are now in the prefix cache
     chunked = _llm(folder, max_num_batched_tokens=16, enable_prefix_caching=False)
-    return max(worst, _check(chunked, hf, prompts))
+    return max(worst, max_logprob_error(chunked, hf, prompts))
 
 
 @pytest.mark.parametrize("name", list(_configs()))
@@ -133,7 +128,7 @@ def test_fused_expert_checkpoints(name: str, tiny: Callable[[str], tuple[Path, A
         _fuse(fused, "block_sparse_moe", ("w1", "w3", "w2"), "mlp")
     else:
         _fuse(fused, "mlp", ("gate_proj", "up_proj", "down_proj"), "mlp")
-    assert _check(_llm(fused), hf, _prompts()) < ATOL
+    assert max_logprob_error(_llm(fused), hf, token_prompts()) < ATOL
 
 
 def test_steps_with_idle_experts(tiny: Callable[[str], tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,7 +145,7 @@ def test_steps_with_idle_experts(tiny: Callable[[str], tuple[Path, Any]], monkey
     folder, hf = tiny("qwen3_moe")
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (2, 3, 60)]
-    worst = _check(_llm(folder), hf, prompts, steps=6)
+    worst = max_logprob_error(_llm(folder), hf, prompts, steps=6)
     assert worst < ATOL
     # batched prefills where some experts take many tokens and others none (the skewed random router)
     assert any((c == 0).any() and c.max() > 8 for c in counts), [c.tolist() for c in counts]
