@@ -345,13 +345,14 @@ def run_llamacpp(work_file: Path, threads: int) -> dict[str, Any]:
                        timeout=3600)
 
 
-def run_in_repo_venv(peer: str, work_file: Path, threads: int) -> dict[str, Any]:
+def run_in_repo_venv(peer: str, work_file: Path, threads: int, model: str = MODEL) -> dict[str, Any]:
     """kvpilot and HF run in the repo's own environment, each in a fresh process."""
     env = _base_env(threads, keep_pythonpath=True)
     with tempfile.TemporaryDirectory(prefix="kvpilot-peer-") as tmp:
         out = Path(tmp) / "out.json"
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", peer, "--work-file",
-                               str(work_file), "--child-out", str(out), "--threads", str(threads)], cwd=tmp,
+                               str(work_file), "--child-out", str(out), "--threads", str(threads),
+                               "--model", model], cwd=tmp,
                               env=env, capture_output=True, text=True, timeout=7200)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-2500:]}")
@@ -378,7 +379,7 @@ def warm_up_kvpilot(llm: Any, first_prompt: list[int]) -> float:
     return time.perf_counter() - t_map
 
 
-def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[str, Any]:
+def child(peer: str, work: list[tuple[list[int], int]], threads: int, model: str = MODEL) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -386,7 +387,7 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
         t0 = time.perf_counter()
         from kvpilot.daemon.engine import LLM, SamplingParams
 
-        llm = LLM(model=MODEL, **{**KVPILOT_SETTINGS, **KVPILOT_VARIANTS[peer]})
+        llm = LLM(model=model, **{**KVPILOT_SETTINGS, **KVPILOT_VARIANTS[peer]})
         start_s = time.perf_counter() - t0
         kv_mapped_wait_s = warm_up_kvpilot(llm, work[0][0])
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
@@ -405,7 +406,7 @@ def child(peer: str, work: list[tuple[list[int], int]], threads: int) -> dict[st
         sys.path.insert(0, str(REPO / "bench"))
         from throughput import bench_hf_static, load_hf
 
-        return bench_hf_static(load_hf(torch.float32), work, batch_size=16)
+        return bench_hf_static(load_hf(torch.float32, model), work, batch_size=16)
     raise ValueError(peer)
 
 
@@ -463,24 +464,27 @@ def main() -> None:
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=MODEL, help="a builtin:// or local model every peer but llama.cpp can load; "
+                    "results of other models than the default go to files named after it")
     ap.add_argument("--child", choices=[*KVPILOT_VARIANTS, "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--work-file", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         work = [(p, m) for p, m in json.loads(Path(args.work_file).read_text())]
-        Path(args.child_out).write_text(json.dumps(child(args.child, work, args.threads)))
+        Path(args.child_out).write_text(json.dumps(child(args.child, work, args.threads, args.model)))
         return
 
     from kvpilot.common.model_source import resolve_model_path
 
-    model_dir = resolve_model_path(MODEL)  # the fp32 safetensors folder every HF-format peer loads
+    model_dir = resolve_model_path(args.model)  # the fp32 safetensors folder every HF-format peer loads
     work = make_workload(args.workload, args.seed)
     result: dict[str, Any] = {
         "workload": {"name": args.workload, "requests": len(work), "prompt_tokens": WORKLOADS[args.workload][1],
                      "output_tokens": WORKLOADS[args.workload][2], "seed": args.seed,
                      "total_output_tokens": sum(m for _, m in work)},
         "threads": args.threads,
+        "model": args.model,
         "note": "peers ran one after another, each in its own process; this host is shared and noisy",
         "peers": {},
     }
@@ -494,9 +498,11 @@ def main() -> None:
                 if peer in VLLM_VARIANTS:
                     r = run_vllm(work_file, model_dir, args.threads, VLLM_VARIANTS[peer])
                 elif peer == "llamacpp":
+                    if args.model != MODEL:
+                        raise ValueError(f"the llama.cpp peer runs {MODEL}'s own GGUF only")
                     r = run_llamacpp(work_file, args.threads)
                 else:
-                    r = run_in_repo_venv(peer, work_file, args.threads)
+                    r = run_in_repo_venv(peer, work_file, args.threads, args.model)
             except Exception as e:  # reported in the results, never skipped
                 r = {"error": f"{type(e).__name__}: {e}"}
             # merged files keep other peers' last figures: say when each one was taken
@@ -506,6 +512,11 @@ def main() -> None:
             result["peers"][peer] = r
             print(peer, json.dumps(r)[:400], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.model != MODEL:  # another model's figures stand apart from the SmolLM2 table
+        name = args.model.split("://")[-1].replace("/", "_")
+        (RESULTS / f"peers_{args.workload}_{name}.json").write_text(json.dumps(result, indent=2))
+        print(markdown({args.workload: result}))
+        return
     path = RESULTS / f"peers_{args.workload}.json"
     if path.exists():  # a run of some peers updates theirs and keeps the others' last figures
         old = json.loads(path.read_text())

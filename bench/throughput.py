@@ -84,10 +84,10 @@ def bench_kvpilot(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
     }
 
 
-def load_hf(dtype: torch.dtype):
+def load_hf(dtype: torch.dtype, model_uri: str = MODEL):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(MODEL), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(model_uri), dtype=dtype)
     model.eval()
     return model
 
