@@ -344,24 +344,27 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor | None:
+               residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """``residual + x @ weight.T (+ bias)`` (no residual: the product alone) for float32 CPU rows ``x``
     [M, K] and ``panels = pack_panels(weight)`` of an ``[n, K]`` weight, reading the weight once per call;
     None where the kernel is unavailable or the tensors do not fit together (use torch then). Meant for
     the few rows of a decode step (see the C source); ``panel_gemm_max_rows`` says up to how many rows it
-    beats a library GEMM here. The residual (float32 rows ``[M, n]``) is added per tile as it is stored."""
+    beats a library GEMM here. The residual (float32 rows ``[M, n]``) is added per tile as it is stored.
+    ``out`` (float32 rows ``[M, n]``) receives the product instead of a fresh tensor."""
     if (not _rows_f32(x) or panels.dim() != 3 or not panels.is_cpu or panels.dtype is not torch.float32
             or not panels.is_contiguous()
             or panels.shape[1] != x.shape[1] or panels.shape[2] != _panel_width()
             or panels.shape[0] != -(-n // panels.shape[2])
             or (bias is not None and not (bias.is_cpu and bias.dtype is torch.float32 and bias.is_contiguous()
                                           and bias.shape == (n,)))
-            or (residual is not None and not (_rows_f32(residual) and residual.shape == (x.shape[0], n)))):
+            or (residual is not None and not (_rows_f32(residual) and residual.shape == (x.shape[0], n)))
+            or (out is not None and not (_rows_f32(out) and out.shape == (x.shape[0], n)))):
         return None
     fn = _row_kernel("panel_gemm_f32")
     if fn is None:
         return None
-    out = x.new_empty((x.shape[0], n))
+    if out is None:
+        out = x.new_empty((x.shape[0], n))
     if x.shape[0]:
         fn(x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
            0 if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),

@@ -210,6 +210,16 @@ def test_large_logits_reuse_one_buffer_and_match_a_plain_lm_head() -> None:
     second = model.compute_logits(hidden[:-10])
     assert second.data_ptr() == first.data_ptr()
     torch.testing.assert_close(second, expected[:-10], rtol=1e-5, atol=1e-5)
+    # with the head's panels, one panel GEMM writes the whole buffer: the head's weights are read once, not
+    # once per slice
+    if model.lm_head_panels is not None:
+        calls = []
+        plain = ops.panel_gemm
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ops, "panel_gemm", lambda *a, **k: calls.append(k.get("out")) or plain(*a, **k))
+            third = model.compute_logits(hidden)
+        assert len(calls) == 1 and calls[0] is not None and third.data_ptr() == first.data_ptr()
+        torch.testing.assert_close(third, expected, rtol=1e-5, atol=1e-5)
     # small steps stay fresh tensors: a caller may keep those
     small = model.compute_logits(hidden[:4])
     assert small.data_ptr() != first.data_ptr()

@@ -25,7 +25,7 @@ from kvpilot.kernels import ops
 
 from ..host_malloc import row_slices
 from .base import AttentionMetadata, OutputRows
-from .linear import Linear, keep_panels, linear, prepack, prepack_supported
+from .linear import Linear, keep_panels, linear, prepack, prepack_supported, small_batch_rows
 from .moe import MoEBlock
 from .parallel import SINGLE, ParallelContext
 from .quantization import QuantMethod, get_quant_method
@@ -338,6 +338,11 @@ class DecoderForCausalLM(nn.Module):
         if self._logits_out is None or self._logits_out.shape[0] < rows:
             self._logits_out = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
         out = self._logits_out[:rows]
+        # the panel GEMM writes into the kept buffer itself: one pass over the head's weights, where each slice
+        # below reads all of them again (a 262k vocabulary slices every 32 rows)
+        if self.lm_head_panels is not None and rows <= small_batch_rows() and ops.panel_gemm(
+                hidden, self.lm_head_panels, self.vocab_size, None, None, out=out) is not None:
+            return self._soft_cap(out)
         for part in slices:
             out[part].copy_(linear(hidden[part], self.lm_head, None, self.lm_head_panels))
         return self._soft_cap(out)
