@@ -28,6 +28,7 @@ Caller contract (every backend):
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 import torch
@@ -65,24 +66,29 @@ __all__ = [
     "fused_moe",
 ]
 
-_triton_mod: ModuleType | None = None
-_triton_error: Exception | None = None
+class _LazyModule:
+    """A module of this package imported on first use (the Triton ones import triton); ``error`` says why it
+    could not be."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.module: ModuleType | None = None
+        self.error: Exception | None = None
+
+    def load(self) -> ModuleType | None:
+        if self.module is None and self.error is None:
+            try:
+                self.module = importlib.import_module(f"{__package__}.{self.name}")
+            except Exception as e:  # ImportError, or a triton without a usable backend
+                self.error = e
+        return self.module
 
 
-def _load_triton() -> ModuleType | None:
-    global _triton_mod, _triton_error
-    if _triton_mod is None and _triton_error is None:
-        try:
-            from . import triton_kernels
-
-            _triton_mod = triton_kernels
-        except Exception as e:  # ImportError, or a triton without a usable backend
-            _triton_error = e
-    return _triton_mod
+_TRITON = _LazyModule("triton_kernels")
 
 
 def triton_available() -> bool:
-    return _load_triton() is not None
+    return _TRITON.load() is not None
 
 
 def configure(settings: KernelSettings) -> KernelSettings:
@@ -92,8 +98,8 @@ def configure(settings: KernelSettings) -> KernelSettings:
     at engine start, rather than at the first step. The settings are the process's: one engine per process."""
     if not isinstance(settings, KernelSettings):
         raise TypeError(f"expected KernelSettings, got {type(settings).__name__}")
-    if settings.attention_backend == "triton" and _load_triton() is None:
-        raise RuntimeError(f"attention_backend='triton' but triton cannot be imported: {_triton_error}")
+    if settings.attention_backend == "triton" and _TRITON.load() is None:
+        raise RuntimeError(f"attention_backend='triton' but triton cannot be imported: {_TRITON.error}")
     previous = _settings._set(settings)  # noqa: SLF001 - the one writer of the settings
     if (previous.cpu_kernels, previous.cpu_kernel_cflags) != (settings.cpu_kernels, settings.cpu_kernel_cflags):
         cpu_native.reset()
@@ -107,10 +113,10 @@ def backend_for(t: torch.Tensor) -> str:
     if forced in ("torch", "cpu"):
         return "torch"
     if forced == "triton":
-        if _load_triton() is None:
-            raise RuntimeError(f"attention_backend='triton' but triton cannot be imported: {_triton_error}")
+        if _TRITON.load() is None:
+            raise RuntimeError(f"attention_backend='triton' but triton cannot be imported: {_TRITON.error}")
         return "triton"
-    if t.is_cuda and _load_triton() is not None:
+    if t.is_cuda and _TRITON.load() is not None:
         return "triton"
     return "torch"
 
@@ -129,7 +135,7 @@ def attention_backend_for(query: torch.Tensor, k_cache: torch.Tensor) -> str:
 
 
 def _impl(t: torch.Tensor) -> ModuleType:
-    return _triton_mod if backend_for(t) == "triton" else reference  # type: ignore[return-value]
+    return _TRITON.module if backend_for(t) == "triton" else reference  # type: ignore[return-value]
 
 
 _ATTENTION_IMPLS = {"torch": reference, "cpu": cpu_native}
@@ -182,7 +188,7 @@ def paged_attention(
     Sinks of another shape or dtype, or a negative (or non-finite) soft_cap, raise ValueError.
     """
     backend = attention_backend_for(query, k_cache)
-    impl = _triton_mod if backend == "triton" else _ATTENTION_IMPLS[backend]
+    impl = _TRITON.module if backend == "triton" else _ATTENTION_IMPLS[backend]
     return impl.paged_attention(  # type: ignore[union-attr]
         query,
         k_cache,
@@ -220,30 +226,17 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) 
 from . import moe, moe_reference  # noqa: E402 - kept beside their dispatch
 from .moe import moe_route  # noqa: E402
 
-_moe_triton_mod: ModuleType | None = None
-_moe_triton_error: Exception | None = None
-
-
-def _load_moe_triton() -> ModuleType | None:
-    global _moe_triton_mod, _moe_triton_error
-    if _moe_triton_mod is None and _moe_triton_error is None:
-        try:
-            from . import moe_triton
-
-            _moe_triton_mod = moe_triton
-        except Exception as e:  # ImportError, or a triton without a usable backend
-            _moe_triton_error = e
-    return _moe_triton_mod
+_MOE_TRITON = _LazyModule("moe_triton")
 
 
 def moe_backend_for(hidden: torch.Tensor) -> str:
     """'triton', 'cpu' (moe.fused_moe_cpu) or 'torch' (moe_reference) for a fused_moe call on ``hidden``."""
     forced = current().attention_backend
     if forced == "triton" or (forced == "auto" and hidden.is_cuda):
-        if _load_moe_triton() is not None:
+        if _MOE_TRITON.load() is not None:
             return "triton"
         if forced == "triton":
-            raise RuntimeError(f"attention_backend='triton' but the MoE kernels cannot load: {_moe_triton_error}")
+            raise RuntimeError(f"attention_backend='triton' but the MoE kernels cannot load: {_MOE_TRITON.error}")
     if hidden.is_cpu and forced != "torch":
         return "cpu"
     return "torch"
@@ -267,7 +260,7 @@ def fused_moe(
     ``[T, k]`` from ``moe_route``. The definition is ``moe_reference``'s docstring."""
     backend = moe_backend_for(hidden)
     if backend == "triton":
-        impl = _moe_triton_mod.fused_moe  # type: ignore[union-attr]
+        impl = _MOE_TRITON.module.fused_moe  # type: ignore[union-attr]
     elif backend == "cpu":
         impl = moe.fused_moe_cpu
     else:

@@ -356,8 +356,8 @@ def test_dispatch_backend_choice(kernel_settings):
 
 def test_dispatch_without_triton(monkeypatch, kernel_settings):
     # as if triton were not installed: CPU work still runs, forcing triton says why it cannot
-    monkeypatch.setattr(K, "_triton_mod", None)
-    monkeypatch.setattr(K, "_triton_error", ImportError("No module named 'triton'"))
+    monkeypatch.setattr(K._TRITON, "module", None)
+    monkeypatch.setattr(K._TRITON, "error", ImportError("No module named 'triton'"))
     kernel_settings(attention_backend="auto")
     assert not K.triton_available()
     case = make_case([5], [5], kvh=1, group=2, d=64, bs=16, dtype=torch.float32, seed=8, fill=0.0)
