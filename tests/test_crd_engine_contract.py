@@ -27,6 +27,7 @@ from operator_support import crd_checks as checks
 NOT_IN_CRD: dict[str, str] = {
     "model": "spec.model.uri, rendered as the MODEL argument (pvc:// becomes the mounted path)",
     "served_model_name": "spec.model.name (default metadata.name), rendered as the daemon's --served-model-name",
+    "quantization": "spec.model.quantization, rendered as the daemon's --quantization",
     "device": "follows resources.gpus: auto picks cuda when the pod has a GPU, else cpu",
     "num_kv_blocks": "a fixed block count for tests and benchmarks; kvCacheMemory sizes a production cache",
     "preemption_mode": "recompute suits serving; swap also needs swapSpace sized into resources.memory: extraArgs",

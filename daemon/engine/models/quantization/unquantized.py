@@ -30,20 +30,21 @@ class UnquantizedLinearMethod(QuantMethod):
     def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor, part: ShardSlice) -> None:
         if name != "weight":
             raise RuntimeError(f"unquantized layers have no {name!r} tensor")
-        if tuple(tensor.shape) != part.ckpt_shape:
-            raise RuntimeError(f"checkpoint shape {tuple(tensor.shape)} != expected {part.ckpt_shape}")
-        src = tensor.narrow(0, part.out_start, part.out_size).narrow(1, part.in_start, part.in_size)
+        if tensor.dim() != 2 or tuple(tensor.shape) != (part.stored_rows, part.ckpt_shape[1]):
+            raise RuntimeError(f"checkpoint shape {tuple(tensor.shape)} != expected {(part.stored_rows, part.ckpt_shape[1])}")
+        src = part.take_rows(tensor).narrow(1, part.in_start, part.in_size)
         layer.weight.data[part.dst_row:part.dst_row + part.out_size].copy_(src)
 
-    def process_weights_after_loading(self, layer: Linear, *, prepack: bool, keep_panels: bool) -> None:
-        if not prepack:
-            return
+    def prepack(self, layer: Linear, *, keep_panels: bool) -> None:
         dense = layer.weight
         packed = prepack_weight(dense)  # a copy: the dense memory is free to take the panels below
         panels = panels_in_place(dense) if keep_panels else None
         del layer._parameters["weight"]  # noqa: SLF001 - the packed copy replaces the parameter
         layer.register_buffer("weight", packed, persistent=False)
         layer.panels = panels
+
+    def describe(self) -> str:
+        return "float"
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None,
               residual: torch.Tensor | None) -> torch.Tensor:
