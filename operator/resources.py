@@ -114,6 +114,8 @@ def daemon_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
         "--scheduling-policy", e["schedulingPolicy"],
         "--shutdown-timeout", str(shutdown_timeout(spec)),
     ]
+    if spec["model"].get("quantization"):  # omitted: the daemon runs the weights as the checkpoint stores them
+        args += ["--quantization", spec["model"]["quantization"]]
     if e.get("maxModelLen"):
         args += ["--max-model-len", str(e["maxModelLen"])]
     if e.get("longPrefillTokenThreshold") is not None:  # 0 (no cap) is a value the user may write

@@ -18,9 +18,10 @@ import torch
 from kvpilot import sizes
 from kvpilot.daemon.args import ServeArgs, parse_serve_args
 from kvpilot.daemon.engine import runner as runner_mod
-from kvpilot.daemon.engine.config import EngineConfig
+from kvpilot.daemon.engine.config import QUANTIZATIONS, EngineConfig
 from kvpilot.operator import crd, resources
 from operator_support import crd_checks as checks
+from operator_support.harness import CR_PATH, cluster
 
 # EngineConfig fields deliberately not in spec.engine, each with why. A new EngineConfig field fails
 # test_every_engine_field_is_decided until it is added to the CRD or here.
@@ -146,8 +147,8 @@ def test_choices(name):
 
 # --- ranges: the CRD (as the API server and the operator judge it) accepts exactly what the daemon does ----
 
-def crd_accepts(engine: dict[str, Any]) -> bool:
-    spec = {"model": {"uri": "hf://org/m"}, "engine": engine}
+def crd_accepts(engine: dict[str, Any], model: dict[str, Any] | None = None) -> bool:
+    spec = {"model": {"uri": "hf://org/m", **(model or {})}, "engine": engine}
     o = {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": "ok"},
          "spec": spec}
     server = checks.schema_errors(o, crd.version_schema()) == [] and \
@@ -236,8 +237,8 @@ def test_sizes_agree(text):
 
 # --- the operator's flags reach the daemon -------------------------------------------------------------
 
-def rendered(engine: dict[str, Any]) -> ServeArgs:
-    spec = crd.default_spec({"model": {"uri": "hf://org/model"}, "engine": engine})
+def rendered(engine: dict[str, Any], model: dict[str, Any] | None = None) -> ServeArgs:
+    spec = crd.default_spec({"model": {"uri": "hf://org/model", **(model or {})}, "engine": engine})
     assert crd.validate("llm", spec) == []
     args = resources.daemon_args(META, spec)
     assert args[0] == "serve"
@@ -269,6 +270,61 @@ def test_a_bare_spec_runs_the_daemons_defaults():
         assert getattr(cfg, name) == default_of(name), name
     for dest in DAEMON_FIELDS.values():
         assert getattr(a, dest) == getattr(ServeArgs(), dest)
+
+
+# --- spec.model.quantization: the daemon's --quantization -----------------------------------------------
+
+def quantization_node() -> dict[str, Any]:
+    return crd.spec_schema()["properties"]["model"]["properties"]["quantization"]
+
+
+def test_model_quantization_is_the_engines_choice():
+    """The enum is EngineConfig's QUANTIZATIONS, no more and no fewer; no default, so omitted leaves the
+    daemon to run the weights as the checkpoint stores them."""
+    node = quantization_node()
+    assert ENGINE_FIELDS["quantization"].metadata["choices"] == QUANTIZATIONS
+    assert node["type"] == "string" and "default" not in node
+    assert len(node["enum"]) == len(set(node["enum"])) and set(node["enum"]) == set(QUANTIZATIONS)
+    assert "(--quantization" in node["description"] and "Omitted" in node["description"]
+    assert "quantization" not in crd.default_spec({"model": {"uri": "hf://org/m"}})["model"]
+
+
+@pytest.mark.parametrize("value", sorted({*QUANTIZATIONS, *quantization_node()["enum"], "int8", "bogus", "GGUF", ""}))
+def test_model_quantization_agrees_with_the_daemon_value_by_value(value):
+    assert crd_accepts({}, {"quantization": value}) == daemon_accepts("quantization", value), value
+
+
+@pytest.mark.parametrize("value", QUANTIZATIONS)
+def test_model_quantization_reaches_the_daemon(value):
+    args = resources.daemon_args(META, crd.default_spec({"model": {"uri": "hf://org/m", "quantization": value}}))
+    assert args[args.index("--quantization") + 1] == value and args.count("--quantization") == 1
+    assert rendered({}, {"quantization": value}).engine_config().quantization == value
+
+
+def test_no_model_quantization_renders_no_flag():
+    assert "--quantization" not in resources.daemon_args(META, crd.default_spec({"model": {"uri": "hf://org/m"}}))
+    assert rendered({}).engine_config().quantization is None  # the checkpoint's own
+
+
+@pytest.mark.timeout(60)
+async def test_the_emulated_server_rejects_an_unknown_quantization(tmp_path):
+    """Applied as a client would: the strict emulator (schema validation on) refuses int8 on create and on
+    update, and keeps a valid value as written."""
+    def cr(quantization: str) -> dict[str, Any]:
+        return {"apiVersion": "kvpilot.io/v1alpha1", "kind": "InferenceDeployment",
+                "metadata": {"name": "llm", "namespace": "ml"},
+                "spec": {"model": {"uri": "hf://org/m", "quantization": quantization}}}
+
+    async with cluster(tmp_path, validate=True) as k:
+        status, body = await k.try_call("POST", CR_PATH.format(ns="ml"), cr("int8"))
+        assert status == 422 and "spec.model.quantization" in body["message"], body
+        assert await k.cr("ml", "llm") is None
+        created = await k.create_cr("ml", cr("fp8"))
+        assert created["spec"]["model"]["quantization"] == "fp8"
+        status, body = await k.try_call("PATCH", f"{CR_PATH.format(ns='ml')}/llm",
+                                        {"spec": {"model": {"quantization": "int8"}}})
+        assert status == 422 and "spec.model.quantization" in body["message"], body
+        assert (await k.cr("ml", "llm"))["spec"]["model"]["quantization"] == "fp8"
 
 
 # --- kvCacheMemory on GPUs: a cap beside gpuMemoryUtilization -------------------------------------------

@@ -57,8 +57,9 @@ def test_names_scope_subresources_and_printer_columns():
                                           "statusReplicasPath": ".status.replicas",
                                           "labelSelectorPath": ".status.selector"}
     cols = {col["name"].upper(): col for col in v["additionalPrinterColumns"]}
-    assert list(cols) == ["MODEL", "REPLICAS", "READY", "DESIRED", "KV%", "WAITING", "AGE", "ROUTER", "URL"]
-    assert cols["URL"]["priority"] == 1 and cols["ROUTER"]["priority"] == 1  # `kubectl get -o wide`
+    assert list(cols) == ["MODEL", "QUANT", "REPLICAS", "READY", "DESIRED", "KV%", "WAITING", "AGE", "ROUTER", "URL"]
+    assert cols["URL"]["priority"] == cols["ROUTER"]["priority"] == cols["QUANT"]["priority"] == 1  # `-o wide`
+    assert cols["QUANT"]["jsonPath"] == ".spec.model.quantization"
     assert cols["ROUTER"]["jsonPath"] == ".status.router.readyReplicas"
     paths = {p for p, _ in checks.walk(schema())}
     for col in v["additionalPrinterColumns"]:
@@ -335,6 +336,8 @@ def test_model_uri_is_immutable():
     ({"engine": {"kvCacheMemory": "512m"}}, "spec.engine.kvCacheMemory"),
     ({"engine": {"kvCacheMemory": 1024}}, "spec.engine.kvCacheMemory"),
     ({"engine": {"kvCacheDtype": "int8"}}, "spec.engine.kvCacheDtype"),
+    ({"model": {"uri": "hf://org/m", "quantization": "int8"}}, "spec.model.quantization"),
+    ({"model": {"uri": "hf://org/m", "quantization": 8}}, "spec.model.quantization"),
     ({"engine": {"gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization"),
     ({"engine": {"gpuMemoryUtilization": "0.9"}}, "spec.engine.gpuMemoryUtilization"),
 ])

@@ -41,15 +41,16 @@ def test_gpu_and_compute_limits(res, limits):
                                      "--served-model-name": "llm", "--scheduling-policy": "fcfs",
                                      "--max-model-len": None, "--kv-cache-memory": None,
                                      "--long-prefill-token-threshold": None, "--max-num-batched-tokens": "2048",
-                                     "--kv-cache-dtype": None, "--gpu-memory-utilization": None}),
+                                     "--kv-cache-dtype": None, "--gpu-memory-utilization": None,
+                                     "--quantization": None}),
     ({"blockSize": 32, "maxNumSeqs": 8, "maxModelLen": 4096, "kvCacheMemory": "20Gi", "dtype": "bfloat16",
       "schedulingPolicy": "priority", "maxQueuedRequests": 100, "longPrefillTokenThreshold": 256,
       "kvCacheDtype": "float16", "gpuMemoryUtilization": 0.8},
-     {"uri": "hf://org/model", "name": "chat"},
+     {"uri": "hf://org/model", "name": "chat", "quantization": "fp8"},
      {"--block-size": "32", "--max-num-seqs": "8", "--max-model-len": "4096", "--kv-cache-memory": "20Gi",
       "--dtype": "bfloat16", "--scheduling-policy": "priority", "--served-model-name": "chat",
       "--max-queued-requests": "100", "--long-prefill-token-threshold": "256", "--kv-cache-dtype": "float16",
-      "--gpu-memory-utilization": "0.8"}),
+      "--gpu-memory-utilization": "0.8", "--quantization": "fp8"}),
 ])
 def test_daemon_args(engine, model, expected):
     args = container(spec(engine=engine, model=model))["args"]
