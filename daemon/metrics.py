@@ -72,6 +72,11 @@ class _EngineStatsCollector(Collector):
         yield gauge("kvpilot:num_requests_queued",
                     "Requests admitted by the daemon that have no output yet (the backpressure measure).",
                     self.owner.queued_fn())
+        weights = GaugeMetricFamily("kvpilot:model_weight_bytes",
+                                    "Bytes of the model's weights as held on the device, by quantization method.",
+                                    labels=["model_name", "quantization"])
+        weights.add_metric([*name, stats.quantization], float(stats.model_weight_bytes))
+        yield weights
         yield counter("vllm:num_preemptions_total", "Preemptions since start.", stats.num_preempted_total)
         yield counter("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries_total)

@@ -10,7 +10,8 @@ from kvpilot.daemon.metrics import DaemonMetrics, one_two_five_buckets
 
 STATS = SimpleNamespace(kv_cache_usage=0.5, kv_cache_token_usage=0.4, num_running=1, num_waiting=0,
                         num_preempted_total=0, prefix_cache_queries_total=3, prefix_cache_hits_total=1,
-                        prompt_tokens_total=10, generation_tokens_total=5, num_total_blocks=91)
+                        prompt_tokens_total=10, generation_tokens_total=5, num_total_blocks=91,
+                        model_weight_bytes=88_000_000, quantization="gguf")
 
 
 def families(m: DaemonMetrics) -> dict:
@@ -27,6 +28,13 @@ def test_info_gauges_appear_once_the_engine_reports():
         "block_size": "32", "num_gpu_blocks": "91", "enable_prefix_caching": "True"}
     lora = fams["vllm:lora_requests_info"].samples[0]
     assert lora.labels["max_lora"] == "0" and lora.labels["running_lora_adapters"] == "" and lora.value > 1e9
+
+
+def test_model_weight_bytes_by_quantization():
+    m = DaemonMetrics("smol")
+    m.stats_fn = lambda: STATS
+    (sample,) = families(m)["kvpilot:model_weight_bytes"].samples
+    assert sample.labels == {"model_name": "smol", "quantization": "gguf"} and sample.value == 88_000_000
 
 
 def test_request_histograms():

@@ -44,6 +44,8 @@ class EngineStats:
     num_total_blocks: int
     num_free_blocks: int
     kv_cache_waste: float
+    model_weight_bytes: int = 0
+    quantization: str = "none"
 
 
 def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
@@ -440,6 +442,8 @@ class LLMEngine:
             num_total_blocks=kv.num_total_blocks,
             num_free_blocks=kv.num_free_blocks,
             kv_cache_waste=kv.waste,
+            model_weight_bytes=self.loaded.weight_bytes,
+            quantization=self.loaded.quantization,
         )
 
     def warmup(self) -> None:
