@@ -64,7 +64,7 @@ class Rows:
 
     COLS: dict[str, Any] = {"t_arr": float, "prompt": np.int64, "out": np.int64, "rep": np.int64,
                             "state": np.int64, "order": float, "gen": float, "ctx0": np.int64, "left": float,
-                            "ft": float, "admit": np.int64, "retried": np.int64}
+                            "ft": float, "admit": np.int64, "retried": np.int64, "tag": np.int64}
 
     def __init__(self) -> None:
         for k, dt in self.COLS.items():
@@ -73,11 +73,13 @@ class Rows:
     def __len__(self) -> int:
         return len(self.t_arr)
 
-    def add(self, t: np.ndarray, prompt: np.ndarray, out: np.ndarray) -> None:
+    def add(self, t: np.ndarray, prompt: np.ndarray, out: np.ndarray, tag: np.ndarray | None = None) -> None:
+        """New requests; `tag` is the caller's (a client id in a closed loop), -1 when not given."""
         n = len(t)
         new = {"t_arr": t, "prompt": prompt, "out": out, "rep": np.full(n, -1), "state": np.full(n, ROUTER),
                "order": t.astype(float), "gen": np.zeros(n), "ctx0": prompt, "left": np.zeros(n),
-               "ft": np.full(n, np.nan), "admit": np.zeros(n, dtype=np.int64), "retried": np.zeros(n, dtype=np.int64)}
+               "ft": np.full(n, np.nan), "admit": np.zeros(n, dtype=np.int64), "retried": np.zeros(n, dtype=np.int64),
+               "tag": np.full(n, -1) if tag is None else tag}
         for k, v in new.items():
             setattr(self, k, np.concatenate([getattr(self, k), np.asarray(v, dtype=self.COLS[k])]))
 
@@ -324,7 +326,14 @@ class Fleet:
             refused = todo[~ok]
             self.rejected.append(r.t_arr[refused].copy())
             self.rejected_full += len(refused) * self.w
+            self._refused(refused, t)
             self._drop(refused)
+
+    def _refused(self, idx: np.ndarray, t: float) -> None:
+        """Rows every replica refused (429) in the slice at t, before they are dropped: a hook for clients."""
+
+    def _finished(self, idx: np.ndarray, t_fin: np.ndarray) -> None:
+        """Rows that ended at t_fin, before they are removed: a hook for clients."""
 
     def _drop(self, idx: np.ndarray) -> None:
         keep = np.ones(len(self.rows), dtype=bool)
@@ -332,18 +341,15 @@ class Fleet:
         self.rows.keep(keep)
 
     def _pick(self, ready: np.ndarray, n: int) -> np.ndarray:
-        """kvpilot's router picker, one call per request; its own in-flight count is fresh, the rest lagged."""
+        """kvpilot's router picker on this slice's n rows, one request after another (`pick_many`: the same
+        decisions as n `pick` calls, each counting the last in flight); its own in-flight count is fresh, the
+        scraped loads are the last slice's. The rows carry no prompt key: the simulator keeps no prefix cache
+        and its prompts share none, so the picker routes by load (its cost, the load cap, the KV-full rule)."""
         inflight = np.bincount(self.rows.rep[self.rows.rep >= 0], minlength=len(self.slot_state)) * self.w
-        own = {int(s): int(inflight[s]) for s in ready}
-        out = np.empty(n, dtype=np.int64)
-        for i in range(n):
-            loads = [EndpointLoad(str(s), own[int(s)], float(self.running[s]), float(self.waiting[s]),
-                                  float(self.kv[s])) for s in ready]
-            d = self.picker.pick(loads, slots=float(self.spec.max_batch))
-            assert d is not None
-            out[i] = int(d.endpoint)
-            own[int(out[i])] += self.w
-        return out
+        loads = [EndpointLoad(str(s), f, run, wait, kv) for s, f, run, wait, kv in zip(
+            ready.tolist(), inflight[ready].tolist(), self.running[ready].tolist(), self.waiting[ready].tolist(),
+            self.kv[ready].tolist(), strict=True)]
+        return np.array([int(d.endpoint) for d in self.picker.pick_many(loads, n, weight=self.w)], dtype=np.int64)
 
     def _admit(self) -> None:
         r, spec, w = self.rows, self.spec, self.w
@@ -420,6 +426,7 @@ class Fleet:
         self.fin["ttft"].append(r.ft[done] - r.t_arr[done])
         self.fin["tpot"].append((t_fin - r.ft[done]) / np.maximum(r.out[done] - 1, 1))
         self.fin["t_arr"].append(r.t_arr[done].copy())
+        self._finished(done, t_fin)
         keep = np.ones(len(r), dtype=bool)
         keep[done] = False
         r.keep(keep)

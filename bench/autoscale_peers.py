@@ -120,10 +120,12 @@ class Hpa:
 
 @dataclass
 class Kpa:
-    """AIBrix KPA (Knative's algorithm): the metric summed over pods, averaged over a 180 s stable and a 60 s
-    panic window; desired = ceil(stable / target) clamped to [current / 2, current * 2]; panic starts when the
-    panic window's desire reaches 2x the Ready pods and lasts until the stable window passes without it; in
-    panic it never scales down; a scale-down goes only to the highest desire of the scale-down delay window."""
+    """AIBrix KPA, as its scaler (pkg/controller/podautoscaler/scaler/kpa.go, Knative's algorithm) computes it:
+    the metric summed over pods, averaged over a 180 s stable and a 60 s panic window; each desire is
+    ceil(window mean / target), clamped to [floor(ready / 2), ceil(ready * 2)] with ready the Ready pods (at
+    least 1); panic starts when the unclamped panic desire reaches 2x the Ready pods and ends a stable window
+    after it last did; in panic the count is the highest desire of the panic (it never goes down); a
+    scale-down goes only to the highest count of the scale-down delay window."""
 
     target: float  # per pod, in the metric's units
     metric: str = "concurrency"  # running + waiting, per pod summed
@@ -140,6 +142,7 @@ class Kpa:
     _samples: deque[tuple[float, float]] = field(default_factory=deque)
     _desires: deque[tuple[float, int]] = field(default_factory=deque)
     _panic_since: float | None = None
+    _max_panic: int = 0  # the highest count asked for in this panic
 
     def total(self, view: View) -> float:
         if self.metric == "kv":
@@ -157,23 +160,24 @@ class Kpa:
         self._samples.append((now, self.total(view)))
         while self._samples and self._samples[0][0] <= now - self.stable_window:
             self._samples.popleft()
-        stable = _ceil(self._mean(now, self.stable_window) / self.target)
-        panic_desire = _ceil(self._mean(now, self.panic_window) / self.target)
         ready = max(view.ready, 1)
-        if panic_desire >= self.panic_threshold * ready:
+        # the rates are of the Ready pods: pods still starting do not let it double again
+        hi, lo = math.ceil(ready * self.max_up), math.floor(ready / self.max_down)
+        stable_raw = _ceil(self._mean(now, self.stable_window) / self.target)
+        panic_raw = _ceil(self._mean(now, self.panic_window) / self.target)
+        stable, panic_desire = min(max(stable_raw, lo), hi), min(max(panic_raw, lo), hi)
+        if panic_raw / ready >= self.panic_threshold:
             self._panic_since = now
-        elif self._panic_since is not None and now - self._panic_since >= self.stable_window:
-            self._panic_since = None
-        lo, hi = math.floor(current / self.max_down), math.ceil(current * self.max_up)
+        elif self._panic_since is not None and now - self._panic_since > self.stable_window:
+            self._panic_since, self._max_panic = None, 0
+        desired = stable
         if self._panic_since is not None:
-            desired = max(current, min(max(stable, panic_desire), hi))
-        else:
-            desired = min(max(stable, lo), hi)
+            self._max_panic = max(self._max_panic, stable, panic_desire)
+            desired = self._max_panic
         self._desires.append((now, desired))
         while self._desires and self._desires[0][0] <= now - self.delay_window:
             self._desires.popleft()
-        if desired < current:
-            desired = min(current, max(d for _, d in self._desires))
+        desired = max(d for _, d in self._desires)
         floor = self.min_replicas if self.min_replicas > 0 or self.total(view) > 0 or view.inflight else 0
         return min(max(desired, floor), self.max_replicas)
 

@@ -1,11 +1,11 @@
 """Autoscaling at fleet scale: every trace x every policy in the calibrated simulator (bench/autoscale_fleet.py).
 
-    .venv/bin/python bench/autoscale_sim.py [--short] [--traces a,b] [--policies a,b] [--routing least]
+    .venv/bin/python bench/autoscale_sim.py [--short] [--traces a,b] [--policies a,b] [--routing kvpilot|least|rr]
 
 Writes bench/results/autoscale_results.json (metrics, the traces' seeds and settings, timelines),
 autoscale_<trace>.png (replicas and queue over time for every policy) and autoscale_results.md (the table
 bench/README.md quotes). The H200/Llama-8B calibration is used; `bench/autoscale_validate.py` checks the CPU one
-against the demo's real run.
+against the demo's real run. Requests are routed by kvpilot's router picker (router/picker.py) by default.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="traces cut to a quarter (a quick look)")
     ap.add_argument("--traces", default="", help="comma-separated trace names (default all)")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--routing", default="least", choices=["rr", "least", "kvpilot"])
+    ap.add_argument("--routing", default="kvpilot", choices=["rr", "least", "kvpilot"],
+                    help="the router: kvpilot's picker (router/picker.py), least loaded or round-robin")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--ttft-slo", type=float, default=2.0)
     ap.add_argument("--tpot-slo", type=float, default=0.1)

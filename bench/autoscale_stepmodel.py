@@ -3,8 +3,9 @@
     step_s = overhead + prefill_token * P + prefill_attn * P * ctx_pos + decode_seq * D + context_token * C
 
 P prefill tokens in the step, D decoding sequences, C the context tokens those sequences read. Two calibrations:
-- `cpu`: least squares on `bench/step_profile.py --quick` runs on this CPU (SmolLM2-135M, fp32), at two
-  decode contexts so the per-context-token cost is identified; relative error per point is kept with it.
+- `cpu`: least squares (on relative error) over the whole engine steps `bench/autoscale_stepprofile.py` timed
+  on this CPU with the demo's daemon settings (SmolLM2-135M, float32, one thread), each shape the fastest of
+  several interleaved rounds; `calibration_report()` states how far the fit is from each shape.
 - `h200_llama8b`: the H200 figures of `bench/results/gpu_h200.md` scaled to Llama-3-8B's shape (see `h200()`).
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CPU_PROFILES = ("autoscale_step_cpu_ctx128.json", "autoscale_step_cpu_ctx1024.json")
+CPU_PROFILE = RESULTS / "autoscale_step_cpu.json"  # bench/autoscale_stepprofile.py
 
 
 @dataclass(frozen=True)
@@ -47,22 +48,13 @@ class Point:
     step_s: float
 
 
-def profile_points(paths: list[Path]) -> list[Point]:
-    """The shapes of step_profile JSON files: 'decode B' (B sequences at the file's context), 'prefill N'
-    and 'prefill KxN' (one step of K prompts of N tokens)."""
+def profile_points(path: Path = CPU_PROFILE) -> list[Point]:
+    """The shapes autoscale_stepprofile.py timed: "[prefill tokens, decoding sequences, context]" -> seconds."""
+    d = json.loads(path.read_text())
     pts = []
-    for path in paths:
-        d = json.loads(path.read_text())
-        ctx = float(d["context"])
-        for shape, v in d["shapes"].items():
-            kind, size = shape.split()
-            s = v["step_ms"] / 1000.0
-            if kind == "decode":
-                b = float(size)
-                pts.append(Point(f"{shape} ctx{int(ctx)}", 0.0, b, b * ctx, s))
-            else:
-                k, _, n = size.partition("x") if "x" in size else ("1", "", size)
-                pts.append(Point(f"{shape} ctx{int(ctx)}", float(k) * float(n), 0.0, 0.0, s))
+    for key, v in d["shapes"].items():
+        p, dec, ctx = json.loads(key)
+        pts.append(Point(f"P{p} D{dec} C{ctx}", float(p), float(dec), float(ctx), float(v["step_s"])))
     return pts
 
 
@@ -89,8 +81,11 @@ def fit(name: str, pts: list[Point]) -> tuple[StepModel, list[dict[str, float | 
     return model, rows
 
 
+CPU_NAME = "cpu_smollm2_135m_fp32_1thread"
+
+
 def cpu() -> StepModel:
-    return fit("cpu_smollm2_135m_fp32", profile_points([RESULTS / f for f in CPU_PROFILES]))[0]
+    return fit(CPU_NAME, profile_points())[0]
 
 
 # Llama-3-8B: 8.03e9 parameters in bf16; 32 layers, 8 KV heads of 128: 2*8*128*2 bytes*32 = 128 KiB a token.
@@ -119,8 +114,8 @@ def h200() -> StepModel:
 
 
 def calibration_report() -> dict[str, object]:
-    model, rows = fit("cpu_smollm2_135m_fp32", profile_points([RESULTS / f for f in CPU_PROFILES]))
+    model, rows = fit(CPU_NAME, profile_points())
     errs = [abs(float(r["rel_err"])) for r in rows]
     return {"cpu": asdict(model), "cpu_points": rows, "cpu_max_rel_err": max(errs),
-            "cpu_mean_rel_err": sum(errs) / len(errs), "h200_llama8b": asdict(h200()),
-            "h200_kv_blocks": H200_KV_BLOCKS_LLAMA8B}
+            "cpu_median_rel_err": float(np.median(errs)), "cpu_mean_rel_err": sum(errs) / len(errs),
+            "h200_llama8b": asdict(h200()), "h200_kv_blocks": H200_KV_BLOCKS_LLAMA8B}

@@ -24,7 +24,9 @@ token by a whole request) more than a full KV cache (it only risks a preemption 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -44,10 +46,17 @@ class EndpointLoad:
 
     @cached_property  # a pick reads it several times per replica (works on a frozen dataclass: no slots)
     def load(self) -> float:
-        # The scrape includes other routers' requests but is up to one interval old; our own count is
-        # fresh. Taking the larger of the two avoids counting our requests twice.
-        scraped = (self.running or 0.0) + (self.waiting or 0.0)
-        return max(float(self.inflight), scraped)
+        return _load(self.inflight, self.scraped)
+
+    @property
+    def scraped(self) -> float:
+        return (self.running or 0.0) + (self.waiting or 0.0)
+
+
+def _load(inflight: int, scraped: float) -> float:
+    # The scrape includes other routers' requests but is up to one interval old; our own count is fresh.
+    # Taking the larger of the two avoids counting our requests twice.
+    return max(float(inflight), scraped)
 
 
 @dataclass(frozen=True)
@@ -92,17 +101,21 @@ class _View:
     eligible: set[str]
     cost: dict[str, float]
     queues: set[str]  # replicas where one more request would wait for a free slot
-    ranking: list[str]  # the prompt's rendezvous order ([] with no prefix key)
     cached: Mapping[str, int]
-    order: dict[str, int] = field(default_factory=dict)  # name -> its place in `ranking`
+    # the prompt's rendezvous order as a sort key per name, lowest first ({} with no prefix key): the
+    # ranking itself is never sorted, a pick only needs its first name or the order among a few
+    order: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def rank(self, name: str) -> int:
-        return self.order.get(name, len(self.ranking))
+    def rank(self, name: str) -> tuple[int, int]:
+        return self.order.get(name, (0, 0))
 
 
 @dataclass
 class Picker:
     config: PickerConfig = field(default_factory=PickerConfig)
+    # rendezvous weights of the last seeds (the seed is a prompt's first block, which a tenant's requests share):
+    # at 200 replicas, hashing every replica name again for each request was half of a pick's time
+    _weights: OrderedDict[bytes, dict[str, int]] = field(default_factory=OrderedDict, repr=False, compare=False)
 
     def cap(self, loads: Sequence[float]) -> float:
         """Bounded-load cap: the most load a replica may reach after taking one more request."""
@@ -112,7 +125,12 @@ class Picker:
         """How bad a replica is as a target: requests there, a waiting one weighing more, plus KV pressure."""
         if not self.config.load:
             return float(e.inflight)
-        return e.load + self.config.queue_weight * (e.waiting or 0.0) + self.config.kv_weight * (e.kv_usage or 0.0)
+        queue, kv = self._pressure(e)
+        return e.load + queue + kv
+
+    def _pressure(self, e: EndpointLoad) -> tuple[float, float]:
+        """A replica's cost on top of its load: its waiting requests' weight, then its KV pressure."""
+        return self.config.queue_weight * (e.waiting or 0.0), self.config.kv_weight * (e.kv_usage or 0.0)
 
     def would_queue(self, e: EndpointLoad, slots: float | None) -> bool:
         """One more request there would wait for a free slot instead of starting at once."""
@@ -137,7 +155,7 @@ class Picker:
         the learned number of requests a replica runs at once (the config's value wins).
         """
         skip = set(exclude)
-        live = [e for e in loads if e.name not in skip]
+        live = [e for e in loads if e.name not in skip] if skip else list(loads)
         if not live:
             return None
         view = self._view(live, block_hashes, cached or {}, self.config.slots or slots)
@@ -150,30 +168,150 @@ class Picker:
             return home
         return self._spill(view, home.endpoint)
 
+    def pick_many(self, loads: Sequence[EndpointLoad], n: int, weight: int = 1,
+                  exclude: Iterable[str] = ()) -> list[Decision]:
+        """n requests with nothing to route by (no prompt key, no session), picked one after another: the
+        same decisions as n calls of `pick`, each after the chosen replica's `inflight` grew by `weight`.
+
+        For a caller that routes many requests on one look at the loads (the fleet simulator routes
+        thousands a second over 200 replicas): a pick is O(replicas), these are O(replicas + n log replicas)
+        plus a C-speed sum per request (the cap is summed as `pick` sums it, so the floats agree).
+        """
+        skip = set(exclude)
+        live = [e for e in loads if e.name not in skip]
+        if not live or n <= 0:
+            return []
+        use_load, full, share = self.config.load, self.config.kv_full, 1.0 + self.config.load_cap
+        names = [e.name for e in live]
+        inflight = [e.inflight for e in live]
+        # per replica what its load and cost are made of, read once (only the in-flight count changes here)
+        scraped = [e.scraped for e in live]
+        lds = [_load(f, x) for f, x in zip(inflight, scraped, strict=True)]
+        queue, kv = zip(*map(self._pressure, live), strict=True)
+        cost = [load + q + k for load, q, k in zip(lds, queue, kv, strict=True)] if use_load \
+            else [float(f) for f in inflight]  # as `cost` computes it
+        room = [e.kv_usage is None or e.kv_usage < full for e in live]  # not too full to be a target
+        # the cap's sum, kept as a running total where that is exact (whole numbers: requests counted),
+        # else summed again per request as `cap` sums it, so that the floats always agree with `pick`
+        whole = all(x.is_integer() for x in lds)
+        total, count = sum(lds), len(lds)
+        version = [0] * count
+        # Heaps of (cost, name, index, version): (cost, name) orders as _cheapest does, the version tells an
+        # entry is current. `open_` holds the replicas under the cap; `over` the ones not too full but over
+        # it, by load: the cap only rises (loads only grow), so they may join `open_` later.
+        push, pop, replace_top = heapq.heappush, heapq.heappop, heapq.heapreplace
+        open_: list[tuple[float, str, int, int]] = []
+        over: list[tuple[float, int, int]] = []
+        every: list[tuple[float, str, int, int]] | None = None  # any replica, built on the first fallback
+        if use_load:
+            over = [(lds[i], i, 0) for i in range(count) if room[i]]
+            heapq.heapify(over)
+        else:
+            open_ = [(c, names[i], i, 0) for i, c in enumerate(cost)]
+            heapq.heapify(open_)
+        cap = 0.0
+        chosen = []
+        for _ in range(n):
+            if use_load:
+                cap = math.ceil(share * ((total if whole else sum(lds)) + 1.0) / count)
+                while over and over[0][0] + 1.0 <= cap:
+                    _, i, ver = pop(over)
+                    if ver == version[i]:
+                        push(open_, (cost[i], names[i], i, ver))
+            while open_ and open_[0][3] != version[open_[0][2]]:
+                pop(open_)
+            top = bool(open_)  # the pick is open_'s top entry, which its new one replaces below
+            if top:
+                i = open_[0][2]
+                chosen.append(i)
+            else:
+                if every is None:
+                    every = [(c, names[j], j, version[j]) for j, c in enumerate(cost)]
+                    heapq.heapify(every)
+                while every[0][3] != version[every[0][2]]:
+                    pop(every)
+                i = every[0][2]
+                chosen.append(~i)  # a fallback, told apart below
+            inflight[i] += weight
+            ver = version[i] = version[i] + 1
+            if use_load:
+                load = _load(inflight[i], scraped[i])
+                total += load - lds[i]
+                lds[i] = load
+                c = cost[i] = load + queue[i] + kv[i]
+                if room[i] and load + 1.0 <= cap:  # still under this cap, so under the next (it only rises)
+                    (replace_top if top else push)(open_, (c, names[i], i, ver))
+                else:
+                    if top:
+                        pop(open_)
+                    if room[i]:
+                        push(over, (load, i, ver))
+            else:
+                c = cost[i] = float(inflight[i])
+                (replace_top if top else push)(open_, (c, names[i], i, ver))
+            if every is not None:
+                push(every, (c, names[i], i, ver))
+        made: dict[int, Decision] = {}  # Decisions are immutable: one per replica and reason is enough
+        return [made.get(i) or made.setdefault(i, Decision(names[i], "load") if i >= 0 else
+                                               Decision(names[~i], "fallback")) for i in chosen]
+
     def _view(self, live: Sequence[EndpointLoad], block_hashes: Sequence[bytes], cached: Mapping[str, int],
               slots: float | None) -> _View:
-        names = [e.name for e in live]
-        ranking = rendezvous_rank(names, block_hashes, self.config.hash_blocks) \
-            if self.config.prefix and block_hashes else []
-        return _View({e.name: e for e in live}, self._eligible(live), {e.name: self.cost(e) for e in live},
-                     {e.name for e in live if self.would_queue(e, slots)}, ranking,
-                     cached if self.config.prefix else {}, {n: i for i, n in enumerate(ranking)})
+        cfg = self.config
+        cost: dict[str, float] = {}
+        eligible: set[str] = set()
+        queues: set[str] = set()
+        if cfg.load:  # one pass, each replica's load read once (the cost, the cap and the queue rule share it)
+            loads = [e.load for e in live]
+            cap, full = self.cap(loads), cfg.kv_full
+            qw, kw = cfg.queue_weight, cfg.kv_weight
+            for e, load in zip(live, loads, strict=True):
+                name, waiting, kv = e.name, e.waiting or 0.0, e.kv_usage
+                cost[name] = load + qw * waiting + kw * (kv or 0.0)  # `cost`, inline: this loop is a pick's O(replicas)
+                if load + 1.0 <= cap and (kv is None or kv < full):
+                    eligible.add(name)
+                if waiting > 0 or (slots is not None and load + 1.0 > slots):
+                    queues.add(name)
+        else:
+            for e in live:
+                cost[e.name] = float(e.inflight)
+                eligible.add(e.name)
+        order = self._rendezvous([e.name for e in live], block_hashes) if cfg.prefix and block_hashes else {}
+        return _View({e.name: e for e in live}, eligible, cost, queues, cached if cfg.prefix else {}, order)
+
+    def _rendezvous(self, names: list[str], block_hashes: Sequence[bytes]) -> dict[str, tuple[int, int]]:
+        """name -> (-weight, place in `names`): ascending is rendezvous_rank's order (ties in list order)."""
+        seed = _seed(block_hashes, self.config.hash_blocks)
+        weights = self._weights.get(seed)
+        if weights is None:
+            weights = self._weights[seed] = {}
+            if len(self._weights) > _WEIGHT_SEEDS:
+                self._weights.popitem(last=False)
+        else:
+            self._weights.move_to_end(seed)
+        missing = [n for n in names if n not in weights]
+        if missing:
+            if len(weights) > 4 * _WEIGHT_NAMES:  # replicas come and go: drop the names of a past fleet
+                weights.clear()
+                missing = names
+            weights.update(zip(missing, _weights(seed, missing), strict=True))
+        return {n: (-weights[n], i) for i, n in enumerate(names)}
 
     def _home(self, v: _View, session_endpoint: str | None) -> Decision | None:
         """Where affinity sends the request, load aside; None when there is nothing to route by."""
         if self.config.session and session_endpoint in v.live:
             assert session_endpoint is not None
             return Decision(session_endpoint, "session", v.cached.get(session_endpoint, 0))
-        if not v.ranking:
+        if not v.order:
             return None
-        best = max((v.cached.get(n, 0) for n in v.ranking), default=0)
+        best = max((v.cached.get(n, 0) for n in v.cached if n in v.order), default=0)
         if best > 0:
             # equal prefixes: any holder saves the same prefill; the eligible, cheapest one takes it (ties
             # go to the rendezvous order, the same in every router)
-            holders = [n for n in v.ranking if v.cached.get(n, 0) == best]
+            holders = [n for n, hit in v.cached.items() if hit == best and n in v.order]
             name = min(holders, key=lambda n: (n not in v.eligible, v.cost[n], v.rank(n)))
             return Decision(name, "prefix", best)
-        return Decision(v.ranking[0], "hash", 0)
+        return Decision(min(v.order, key=v.order.__getitem__), "hash", 0)
 
     @staticmethod
     def _should_spill(v: _View, home: str) -> bool:
@@ -189,7 +327,7 @@ class Picker:
             hit = v.cached.get(n, 0)
             # among equal positive prefixes the cheaper holder; with no prefix anywhere the ranking
             # alone, so that a tenant's second home is one replica, not whichever is idlest now
-            tie = v.cost[n] if hit > 0 or not v.ranking else 0.0
+            tie = v.cost[n] if hit > 0 or not v.order else 0.0
             return (n in v.queues, -hit, tie, v.rank(n), n)
 
         name = min(pool, key=key)
@@ -200,15 +338,31 @@ class Picker:
         return Decision(name, reason, v.cached.get(name, 0))
 
 
+_WEIGHT_SEEDS = 256  # seeds whose weights a picker keeps (each holds one weight per replica)
+_WEIGHT_NAMES = 1024
+
+
+def _seed(block_hashes: Sequence[bytes], hash_blocks: int) -> bytes:
+    return block_hashes[min(hash_blocks, len(block_hashes)) - 1]
+
+
+def _weights(seed: bytes, names: Iterable[str]) -> list[int]:
+    """Each name's highest-random-weight for the seed, as an integer (big-endian: orders as the digest)."""
+    h = hashlib.blake2b(seed + b"\x00", digest_size=8)  # the seed's state once, copied per name
+    out = []
+    for name in names:
+        c = h.copy()
+        c.update(name.encode())
+        out.append(int.from_bytes(c.digest(), "big"))
+    return out
+
+
 def rendezvous_rank(names: Iterable[str], block_hashes: Sequence[bytes], hash_blocks: int) -> list[str]:
     """Endpoints by highest-random-weight for the prompt's seed block: the same order in every router.
 
     The seed is the chained hash of block `hash_blocks` (or the last full one), so it covers every
     block before it too. Adding or removing one endpoint only moves the keys that endpoint owned.
     """
-    seed = block_hashes[min(hash_blocks, len(block_hashes)) - 1]
-
-    def weight(name: str) -> bytes:
-        return hashlib.blake2b(seed + b"\x00" + name.encode(), digest_size=8).digest()
-
-    return sorted(names, key=weight, reverse=True)
+    names = list(names)
+    weights = _weights(_seed(block_hashes, hash_blocks), names)
+    return [n for _, n in sorted(zip(weights, names, strict=True), key=lambda wn: wn[0], reverse=True)]

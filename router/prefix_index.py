@@ -30,18 +30,29 @@ class PrefixIndex:
         alive = set(endpoints) if endpoints is not None else None
         result: dict[str, int] = {}
         holders: set[str] | None = None
-        for i, h in enumerate(block_hashes):
+        depth = 0
+        for h in block_hashes:
             here = self._blocks.get(h)
             if not here:
                 break
-            cur = set(here) if holders is None else holders.intersection(here)
-            if alive is not None:
-                cur &= alive
+            if holders is None:
+                cur = here.keys() & alive if alive is not None else set(here)
+            elif here.keys() >= holders:
+                depth += 1  # the usual case, a prefix recorded together: the same holders, no new set
+                continue
+            else:
+                cur = holders.intersection(here)
             if not cur:
                 break
-            for name in cur:
-                result[name] = i + 1
+            # only a replica that drops out here gets its length written: writing every holder's length at
+            # every block was O(blocks x replicas) per request (a system prompt cached on all 200 replicas)
+            if holders is not None:
+                for name in holders - cur:
+                    result[name] = depth
             holders = cur
+            depth += 1
+        for name in holders or ():
+            result[name] = depth
         return result
 
     def record(self, block_hashes: Sequence[bytes], endpoint: str) -> None:

@@ -79,7 +79,9 @@ def test_oscillating_load_does_not_flap():
     downs = sum(1 for a, b in zip(rs, rs[1:], strict=False) if b < a)
     assert downs <= 1, rs  # at most giving back the start-up overshoot
     settled = {r for t, r, _ in trace if t >= 300}
-    assert settled == {math.ceil((1.0 + 2.5) / 2 / 0.7)}, rs  # sized for the mean, steady through the waves
+    # Each 30 s crest outlasts the panic window, so the scale-down memory keeps the pods a crest needs:
+    # sized for the crests (not their mean, which left too few when one came), steady through the waves.
+    assert settled == {math.ceil(2.5 / 0.7)}, rs
 
 
 @pytest.mark.parametrize("observation, current, reason", [
@@ -280,14 +282,31 @@ def test_batch_occupancy_signal_counts_running_and_waiting_against_max_num_seqs(
 def test_scale_downs_are_a_stable_window_apart():
     p = Policy(min_replicas=1, max_replicas=100, stable_window=30, panic_window=5, scale_down_delay=60,
                max_num_seqs=256)
+    idle = lambda n: Observation(samples=(PodSample(0.0, 0.0, 0.0),) * n)  # noqa: E731 (wants 1 at any size)
+    scaler = Autoscaler(p)
+    for t in range(0, 70, 10):
+        d = scaler.decide(float(t), 16, idle(16))
+    assert (d.desired, d.reason) == (8, "ScaleDown")
+    for t in (70, 80):  # the load read at 8 pods is not a stable window (30 s) old yet
+        d = scaler.decide(float(t), 8, idle(8))
+        assert (d.desired, d.reason) == (8, "ScaleDownDelayed"), t
+    assert scaler.decide(90.0, 8, idle(8)).desired == 4
+
+
+def test_a_scale_down_waits_while_its_highest_desire_was_read_at_the_larger_size():
+    """16 pods' KV (0.05 each) wanted 2 pods; read at 8 pods the same load wants 1. The 2 was read before
+    the scale-down, at the larger size, so the next step waits until a reading at 8 pods reaches it or it
+    leaves the scale-down delay (60 s after it was read)."""
+    p = Policy(min_replicas=1, max_replicas=100, stable_window=30, panic_window=5, scale_down_delay=60,
+               max_num_seqs=256)
     scaler = Autoscaler(p)
     for t in range(0, 70, 10):
         d = scaler.decide(float(t), 16, occupancy_obs([0.0] * 16))
-    assert (d.desired, d.reason) == (8, "ScaleDown")
-    for t in (70, 80):  # the load read at 8 pods is not a stable window (30 s) old yet
+    assert (d.desired, d.reason, d.stable_desire) == (8, "ScaleDown", 2)
+    for t in range(70, 130, 10):  # a stable window passed at t=90, but the 2 read at t=60 is still remembered
         d = scaler.decide(float(t), 8, occupancy_obs([0.0] * 8))
-        assert (d.desired, d.reason) == (8, "ScaleDownDelayed"), t
-    assert scaler.decide(90.0, 8, occupancy_obs([0.0] * 8)).desired == 4
+        assert (d.desired, d.reason, d.stable_desire) == (8, "ScaleDownDelayed", 1), t
+    assert scaler.decide(130.0, 8, occupancy_obs([0.0] * 8)).desired == 4
 
 
 def test_batch_occupancy_from_spec_and_tick_passes_max_num_seqs():
@@ -309,3 +328,41 @@ def test_a_set_waiting_target_adds_its_signal_beside_occupancy():
     a = crd.default_spec({"model": {"uri": "hf://o/m"}})["autoscaling"]
     assert "targetWaitingRequests" not in a and Policy.from_spec(a).target_waiting_requests is None
     assert Policy.from_spec({**a, "targetWaitingRequests": 2}).target_waiting_requests == 2.0
+
+
+def test_a_scale_down_goes_halfway_geometrically_and_measures_again():
+    """A desire read on an over-provisioned fleet is low (bigger batches step slower): each scale-down goes to
+    the geometric mean of the count and the desire, at least one pod, a stable window apart."""
+    p = Policy(min_replicas=1, max_replicas=100, stable_window=30, panic_window=5, scale_down_delay=60,
+               max_num_seqs=256)
+    scaler = Autoscaler(p)
+    light = [48.0] * 10  # 480 running over 10 pods: (480) / (0.5 * 256) asks for 4
+    for t in range(0, 70, 10):
+        d = scaler.decide(float(t), 10, occupancy_obs(light))
+    assert (d.desired, d.reason, d.stable_desire) == (7, "ScaleDown", 4)  # ceil(sqrt(10 * 4)), not 5 (rate floor)
+    counts, current = [], 7
+    for t in range(70, 400, 10):
+        current = scaler.decide(float(t), current, occupancy_obs([480.0 / current] * current)).desired
+        counts.append(current)
+    assert sorted(set(counts), reverse=True) == [7, 6, 5, 4], counts  # sqrt(28) -> 6, sqrt(24) -> 5, then one pod
+    # and a last pod always goes: 2 pods that want 1 step to 1, where the geometric mean (1.4) rounds up to 2
+    two = Autoscaler(p)
+    for t in range(0, 70, 10):
+        d = two.decide(float(t), 2, occupancy_obs([0.0, 0.0]))
+    assert (d.desired, d.reason) == (1, "ScaleDown")
+
+
+def test_the_scale_down_memory_keeps_a_short_bursts_desire():
+    """A burst shorter than the stable window never fills its average; the pods it needed are kept for the
+    scale-down delay, so the next burst finds them."""
+    p = Policy(min_replicas=1, max_replicas=100, stable_window=120, panic_window=20, scale_down_delay=300,
+               max_num_seqs=256, panic_threshold=10)
+    scaler = Autoscaler(p)
+    d = None
+    for t in range(0, 400, 10):
+        burst = 200 <= t < 240  # 40 s at 8 pods' worth on 12 pods, otherwise 1 pod's worth
+        running = (8 * 128 if burst else 128) / 12
+        d = scaler.decide(float(t), 12, occupancy_obs([running] * 12))
+        if t >= 240:
+            assert d.desired >= 8, (t, d)  # without the memory: the stable desire (at most 4) let it drop
+    assert d is not None and d.stable_desire is not None and d.stable_desire < 8

@@ -224,3 +224,84 @@ async def test_route_key_session_sources():
     key = await state("header:X-Chat").route_key("/v1/chat/completions", body, {"X-Chat": "c-9"})
     assert key.session == "c-9" and key.hashes and key.prompt_tokens > 16 and key.tokenized == "inline"
     assert (await state("user", session=False).route_key("/v1/chat/completions", body, {})).session is None
+
+
+# --- speed without behaviour change: pick_many, the rendezvous weight cache, the index's match ----------------
+
+def _random_loads(rng, names) -> list[EndpointLoad]:
+    # running is sometimes fractional (an averaged scrape): pick_many then sums the cap as pick does
+    return [EndpointLoad(n, rng.randrange(0, 6), rng.choice([None, float(rng.randrange(0, 6)), rng.random() * 5]),
+                         rng.choice([None, 0.0, float(rng.randrange(0, 3))]), rng.choice([None, rng.random(), 0.97]))
+            for n in names]
+
+
+def test_pick_many_is_the_same_as_picking_one_after_another():
+    import random
+    from dataclasses import replace
+    rng = random.Random(7)
+    reasons = collections.Counter()
+    for _ in range(400):
+        names = [f"r{i}" for i in rng.sample(range(40), rng.randrange(1, 12))]
+        cfg = PickerConfig(load=rng.random() < 0.8, load_cap=rng.choice([0.0, 0.25, 1.0]), session=rng.random() < 0.3)
+        loads, exclude = _random_loads(rng, names), set(rng.sample(names, rng.randrange(0, len(names))))
+        n, weight = rng.randrange(0, 25), rng.choice([0, 1, 3])
+        one, many = Picker(cfg), Picker(cfg)
+        expected, cur = [], loads
+        for _ in range(n):
+            d = one.pick(cur, exclude=exclude)
+            if d is None:
+                break
+            expected.append((d.endpoint, d.reason))
+            cur = [replace(e, inflight=e.inflight + weight) if e.name == d.endpoint else e for e in cur]
+        got = [(d.endpoint, d.reason) for d in many.pick_many(loads, n, weight=weight, exclude=exclude)]
+        assert got == expected, (cfg, loads, n, weight, exclude)
+        reasons.update(r for _, r in got)
+    assert reasons["load"] > 100 and reasons["fallback"] > 10  # both paths were exercised
+
+
+def test_rendezvous_weight_cache_changes_no_decision():
+    import random
+    rng = random.Random(3)
+    warm = Picker()
+    names = [f"10.0.0.{i}:8000" for i in range(60)]
+    for i in range(300):
+        h = hashes(i % 7, blocks=rng.randrange(1, 5))  # seven tenants: the cache is hit most of the time
+        live = rng.sample(names, rng.randrange(1, 60))  # replicas come and go between picks
+        loads = _random_loads(rng, live)
+        cached = {n: rng.randrange(1, 4) for n in live if rng.random() < 0.2}
+        a, b = warm.pick(loads, h, cached, slots=4.0), Picker().pick(loads, h, cached, slots=4.0)
+        assert a == b
+        assert Picker(PickerConfig(load=False)).pick(idle(live), h).endpoint == rendezvous_rank(live, h, 1)[0]
+    assert len(warm._weights) == 7
+
+
+def _reference_match(blocks: dict, block_hashes, endpoints=None) -> dict[str, int]:
+    """The index's contract spelled out: each endpoint's hit length is the first block it does not hold."""
+    out = {}
+    for name in {n for holders in blocks.values() for n in holders}:
+        if endpoints is not None and name not in endpoints:
+            continue
+        depth = 0
+        while depth < len(block_hashes) and name in blocks.get(block_hashes[depth], ()):
+            depth += 1
+        if depth:
+            out[name] = depth
+    return out
+
+
+def test_prefix_index_match_agrees_with_its_contract_under_eviction_and_forgetting():
+    import random
+    rng = random.Random(11)
+    for _ in range(60):
+        idx = PrefixIndex(capacity=rng.choice([6, 30, 1000]))
+        names = [f"e{i}" for i in range(rng.randrange(1, 10))]
+        prompts = [hashes(rng.randrange(3), blocks=rng.randrange(1, 8)) for _ in range(10)]
+        for _ in range(80):
+            p = rng.choice(prompts)
+            if rng.random() < 0.5:
+                idx.record(p[:rng.randrange(0, len(p) + 1)], rng.choice(names))
+            elif rng.random() < 0.1:
+                idx.forget(rng.choice(names))
+            else:
+                alive = rng.sample(names, rng.randrange(0, len(names) + 1)) if rng.random() < 0.5 else None
+                assert idx.match(p, alive) == _reference_match(idx._blocks, p, alive)
