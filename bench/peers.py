@@ -39,7 +39,10 @@ WORKLOADS = {
 PEERS = ("kvpilot", "vllm", "llamacpp", "hf")
 # kvpilot variants run on request (--peers kvpilot_fp16kv): same workload, one engine setting changed
 KVPILOT_VARIANTS: dict[str, dict[str, Any]] = {"kvpilot": {}, "kvpilot_fp16kv": {"kv_cache_dtype": "float16"},
-                                               "kvpilot_bf16": {"dtype": "bfloat16"}}
+                                               "kvpilot_bf16": {"dtype": "bfloat16"},
+                                               # on the GGUF's own Q4_1 blocks, float32 and bfloat16 activations
+                                               "kvpilot_q4": {"quantization": None},
+                                               "kvpilot_q4_bf16": {"quantization": None, "dtype": "bfloat16"}}
 # vLLM in each dtype kvpilot runs (vllm_bf16: for CPUs with bfloat16 dot products, AVX512-BF16 or AMX)
 VLLM_VARIANTS = {"vllm": "float32", "vllm_bf16": "bfloat16"}
 VLLM_SERVER_ENTRY = "vllm.entrypoints.launchers.api_server.entry"  # `vllm serve` fails on the renamed package
@@ -360,7 +363,9 @@ def run_in_repo_venv(peer: str, work_file: Path, threads: int, model: str = MODE
 
 
 # kvpilot's engine settings for the workloads (its variants change one of them)
-KVPILOT_SETTINGS: dict[str, Any] = {"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+# (the peers' float weights: a GGUF model runs on its blocks unless told otherwise)
+KVPILOT_SETTINGS: dict[str, Any] = {"dtype": "float32", "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+                                    "quantization": "none"}
 
 
 def warm_up_kvpilot(llm: Any, first_prompt: list[int]) -> float:

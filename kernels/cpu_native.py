@@ -42,13 +42,15 @@ from .settings import current
 __all__ = [
     "available", "reset", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
     "silu_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm", "panel_gemm_max_rows", "build_error",
+    "gguf_fn", "gguf_dot_path",
 ]
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "greedy_cpu.c",
-                                            "elementwise_cpu.c", "store_kv_cpu.c", "small_gemm_cpu.c"))
+                                            "elementwise_cpu.c", "store_kv_cpu.c", "small_gemm_cpu.c",
+                                            "gguf_gemm_cpu.c"))
 # -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
@@ -205,7 +207,15 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
         fn.argtypes = argtypes
         fn.restype = None
         _row_fns[name] = fn
-    for name in ("panel_width", "panel_gemm_max_rows", "prefill_max_group", "prefill_max_head_dim"):
+    # the GGUF kernels (kernels/gguf.py calls them through gguf_fn): an int status each; the GEMM takes its
+    # arguments packed in one int64 array (converting 15 ctypes arguments costs more than a small GEMM)
+    for name, argtypes in (("gguf_dequant", [i32, p, i64, i32, i32, p, i64, i32, i32]),
+                           ("gguf_gemm_packed", [ctypes.POINTER(ctypes.c_int64)])):
+        fn = getattr(lib, "kvpilot_" + name)
+        fn.argtypes = argtypes
+        fn.restype = i32
+        _row_fns[name] = fn
+    for name in ("panel_width", "panel_gemm_max_rows", "prefill_max_group", "prefill_max_head_dim", "gguf_dot_path"):
         # constants of the build, read once here
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = []
@@ -226,6 +236,17 @@ def _row_kernel(name: str) -> Callable[..., None] | None:
     if fn is None and _load() is not None:
         fn = _row_fns.get(name)
     return fn
+
+
+def gguf_fn(name: str) -> Callable[..., int] | None:
+    """The GGUF kernels' entry point ``kvpilot_<name>`` (gguf_dequant, gguf_gemm_packed; see
+    csrc/gguf_gemm_cpu.c), bound on first use; None without the library."""
+    return _row_kernel(name)
+
+
+def gguf_dot_path() -> bool:
+    """Whether this build multiplies GGUF weights with the bfloat16 dot-product path (AVX512-BF16 + VBMI)."""
+    return _build_constant("gguf_dot_path") == 1
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

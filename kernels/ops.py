@@ -64,6 +64,17 @@ __all__ = [
     "moe_route",
     "moe_backend_for",
     "fused_moe",
+    "fp8_quantize",
+    "fp8_quantize_weight",
+    "fp8_dequantize",
+    "fp8_linear",
+    "fp8_block_linear",
+    "GGUF_TYPES",
+    "gguf_supported",
+    "gguf_row_bytes",
+    "gguf_dequantize",
+    "gguf_linear",
+    "gguf_embedding",
 ]
 
 class _LazyModule:
@@ -267,3 +278,23 @@ def fused_moe(
         impl = moe_reference.fused_moe
     return impl(hidden, w13, w2, topk_weights, topk_ids, activation=activation, w13_bias=w13_bias,
                 w2_bias=w2_bias, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+
+# ------------------------------------------------------------------------------- FP8 weights
+# per-channel e4m3 weights: torch._scaled_mm on CUDA (fp8 tensor cores), block-scaled ones a Triton kernel; the
+# torch reference elsewhere (kernels/fp8.py). The CPU models dequantize FP8 at load and never call these.
+from .fp8 import block_linear as fp8_block_linear  # noqa: E402 - kept beside their dispatch
+from .fp8 import dequantize as fp8_dequantize  # noqa: E402
+from .fp8 import linear as fp8_linear  # noqa: E402
+from .fp8 import quantize as fp8_quantize  # noqa: E402
+from .fp8 import quantize_weight as fp8_quantize_weight  # noqa: E402
+
+# ------------------------------------------------------------------------------- GGUF-quantized weights
+# blocks kept as the file has them: native CPU kernels (small M in registers, large M through dequantized tiles and
+# torch's GEMM), a Triton kernel on CUDA, the torch reference elsewhere (kernels/gguf.py)
+from .gguf import GGUF_TYPES  # noqa: E402 - kept beside their dispatch
+from .gguf import dequantize as gguf_dequantize  # noqa: E402
+from .gguf import embedding as gguf_embedding  # noqa: E402
+from .gguf import linear as gguf_linear  # noqa: E402
+from .gguf import row_bytes as gguf_row_bytes  # noqa: E402
+from .gguf import supported as gguf_supported  # noqa: E402

@@ -17,6 +17,7 @@ import torch
 
 from kvpilot.common.model_source import resolve_model_path
 from kvpilot.daemon.engine import LLM
+from support.gguf_files import BPE_TOKENS, spm_tokens, write_gguf
 from support.hf_parity import ATOL, WINDOW, max_logprob_error
 
 gguf = pytest.importorskip("gguf")
@@ -24,27 +25,11 @@ gguf = pytest.importorskip("gguf")
 COMMON = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
           "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.08}
 
-# a byte-level BPE vocabulary (Qwen's kind): the 256 byte symbols, one merge, three control tokens
-_BYTE_SYMBOLS = [chr(c) for c in range(33, 127)] + [chr(c) for c in range(161, 173)] + \
-    [chr(c) for c in range(174, 256)] + [chr(256 + i) for i in range(68)]  # GPT-2's bytes_to_unicode alphabet
-BPE_TOKENS = [*_BYTE_SYMBOLS, "Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# a sentencepiece vocabulary (Gemma's and Phi-3's kind): control tokens per model, byte fallbacks, pieces
-_SPM_PIECES = ["▁", *"abcdefghijklmnopqrstuvwxyz", *(f"▁{c}" for c in "abcdefghijklmnopqrstuvwxyz")]
-SPM_SPECIALS = {
-    "gemma": ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"],
-    "phi3": ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>"],
-}
-
-
-def _spm_tokens(kind: str) -> list[str]:
-    return [*SPM_SPECIALS[kind], *(f"<0x{b:02X}>" for b in range(256)), *_SPM_PIECES]
-
-
 def _configs() -> dict[str, Callable[[], tuple[Any, type]]]:
     """GGUF arch -> () -> (HF config, HF model class), each with a setting the GGUF must carry over."""
     import transformers as tf
 
-    gemma_vocab = len(_spm_tokens("gemma"))
+    gemma_vocab = len(spm_tokens("gemma"))
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}
     return {
@@ -62,94 +47,11 @@ def _configs() -> dict[str, Callable[[], tuple[Any, type]]]:
                                                sliding_window=WINDOW, query_pre_attn_scalar=16,
                                                pad_token_id=0, eos_token_id=1, bos_token_id=2),
                            tf.Gemma3ForCausalLM),
-        "phi3": lambda: (tf.Phi3Config(**COMMON, num_hidden_layers=2, vocab_size=len(_spm_tokens("phi3")),
+        "phi3": lambda: (tf.Phi3Config(**COMMON, num_hidden_layers=2, vocab_size=len(spm_tokens("phi3")),
                                        sliding_window=WINDOW, original_max_position_embeddings=64,
                                        rope_parameters=dict(longrope), tie_word_embeddings=False,
                                        bos_token_id=1, eos_token_id=3, pad_token_id=3), tf.Phi3ForCausalLM),
     }
-
-
-def _write_tokenizer(w: Any, arch: str) -> None:
-    """Tokenizer metadata as llama.cpp writes it: BPE for Qwen, sentencepiece ("llama") for Gemma and Phi-3."""
-    if arch == "qwen3":
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
-        w.add_token_list(BPE_TOKENS)
-        w.add_token_types([3 if t.startswith("<|") else 1 for t in BPE_TOKENS])
-        w.add_token_merges(["Ġ t"])
-        w.add_bos_token_id(257)
-        w.add_eos_token_id(259)
-        w.add_pad_token_id(257)
-        w.add_add_bos_token(False)
-        return
-    kind = "gemma" if arch.startswith("gemma") else "phi3"
-    tokens, specials = _spm_tokens(kind), SPM_SPECIALS[kind]
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * len(specials) + [0.0] * 256 + [-float(i) for i in range(len(_SPM_PIECES))])
-    unk = tokens.index("<unk>")
-    w.add_token_types([2 if i == unk else 3 if t in specials else 6 if t.startswith("<0x") else 1
-                       for i, t in enumerate(tokens)])
-    if kind == "gemma":
-        w.add_bos_token_id(2)
-        w.add_eos_token_id(1)
-        w.add_pad_token_id(0)
-    else:
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(3)
-        w.add_pad_token_id(3)
-    w.add_unk_token_id(unk)
-    w.add_add_bos_token(True)
-
-
-def _write_gguf(path: Path, arch: str, hf: Any) -> None:
-    """The model as llama.cpp's convert_hf_to_gguf.py writes it, float32 tensors."""
-    cfg = hf.config
-    n = int(cfg.num_hidden_layers)
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-{arch}")
-    w.add_context_length(int(cfg.max_position_embeddings))
-    w.add_embedding_length(int(cfg.hidden_size))
-    w.add_block_count(n)
-    w.add_feed_forward_length(int(cfg.intermediate_size))
-    w.add_head_count(heads)
-    w.add_head_count_kv(int(cfg.num_key_value_heads))
-    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    rope = cfg.rope_parameters
-    w.add_rope_freq_base(float((rope.get("full_attention") or rope)["rope_theta"]))
-    if arch != "phi3":
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    if arch in ("gemma2", "gemma3", "phi3"):
-        w.add_sliding_window(int(cfg.sliding_window))
-    if arch == "gemma2":
-        w.add_attn_logit_softcapping(float(cfg.attn_logit_softcapping))
-        w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
-    if arch == "phi3":
-        w.add_rope_dimension_count(head_dim)
-        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-        for kind in ("long", "short"):
-            w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(rope[f"{kind}_factor"], dtype=np.float32))
-    _write_tokenizer(w, arch)
-
-    name_map = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), n)
-    for name, t in hf.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # llama.cpp writes no output.weight for tied embeddings
-        base, suffix = name.rsplit(".", 1)
-        gguf_name = name_map.get_name(base)
-        assert gguf_name is not None, name
-        data = t.detach().to(torch.float32).numpy().copy()
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
-            data = data + 1  # llama.cpp stores Gemma's (1 + w) RMSNorm weights as 1 + w
-        w.add_tensor(f"{gguf_name}.{suffix}", data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +72,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Pat
                     if "norm" in n:
                         p.add_(torch.randn_like(p) * 0.2)
             path = root / f"tiny-{arch}.gguf"
-            _write_gguf(path, arch, hf)
+            write_gguf(path, arch, hf)
             cache[arch] = (path, hf)
         return cache[arch]
 

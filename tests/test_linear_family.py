@@ -118,9 +118,10 @@ def test_prepacked_weights_give_the_dense_result() -> None:
 
 def test_quantization_names_are_checked() -> None:
     assert get_quant_method(None).name == get_quant_method("none").name == "none"
-    assert set(QUANTIZATION_METHODS) == {"none"}
-    with pytest.raises(ValueError, match=r"quantization must be one of \['none'\], got 'int3'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \['awq', 'fp8', 'gguf', 'gptq', 'none'\], "
+                                         r"got 'int3'"):
         get_quant_method("int3")
+    assert set(QUANTIZATION_METHODS) == {"none", "gguf", "fp8", "awq", "gptq"}
 
 
 def test_the_context_checks_its_ranks() -> None:

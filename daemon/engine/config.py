@@ -33,8 +33,8 @@ class EngineConfig:
     quantization: str | None = field(default=None, metadata={
         "choices": QUANTIZATIONS,
         "help": "how the linear layers keep their weights; default: as the checkpoint has them (a .gguf file on "
-                "its GGUF blocks, an HF checkpoint by its quantization_config, else float); none dequantizes "
-                "them to dtype at load; fp8 also quantizes a float checkpoint at load"})
+                "its GGUF blocks, an HF checkpoint by its quantization_config, else float); none runs a .gguf "
+                "model on its weights dequantized to dtype at load; fp8 also quantizes a float checkpoint at load"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "choices": KV_CACHE_DTYPES,
         "help": "KV cache storage; auto: the model's dtype. float16 under a float32 model halves the bytes a "

@@ -248,7 +248,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                           quant_method=quant_method)
     except ValueError as e:  # a config field the native model cannot follow (RoPE type, activation, ...)
         raise ValueError(f"model {uri!r}: {e}") from e
-    weights = iter_gguf_weights(gguf_file, hf_config, quantized=quant_method.quantizes_embeddings) \
+    weights = iter_gguf_weights(gguf_file, hf_config, quantized_embeddings=quant_method.quantizes_embeddings) \
         if gguf_file is not None and quant_method.name == "gguf" else _iter_safetensors(path, uri)
     try:
         model.load_weights(weights)

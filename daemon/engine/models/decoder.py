@@ -557,6 +557,9 @@ def _canonical(name: str) -> str | None:
 
 
 def _copy(dst: torch.Tensor, w: torch.Tensor) -> bool:
+    if not w.is_floating_point() or w.element_size() == 1:  # an fp8 or packed tensor would lose its scales
+        raise RuntimeError(f"a {w.dtype} tensor where float weights belong (quantized embeddings, LM heads and "
+                           "norms are not supported for this checkpoint format)")
     if dst.shape != w.shape:
         raise RuntimeError(f"checkpoint shape {tuple(w.shape)} != expected {tuple(dst.shape)}")
     dst.copy_(w)
