@@ -152,8 +152,10 @@ def test_builtin_converts_once_into_cache(cache, converted):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "generation_config.json"):
         assert (first / name).is_file(), name
-    # the joined GGUF (and the temp folder it was joined in) must not outlive the conversion
-    assert not list(first.glob("*.gguf"))
+    # the joined GGUF stays, once, in the folder: the engine serves its blocks (its temp folder goes)
+    assert [p.name for p in first.glob("*.gguf")] == ["model.gguf"]
+    from kvpilot.common.gguf_weights import gguf_source
+    assert gguf_source(first) == first / "model.gguf"
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".tmp-")], "temp dir left behind"
     assert (first / "model.safetensors").stat().st_size > 1.0e9  # float32, not the 250 MB Q4_K_M GGUF
 

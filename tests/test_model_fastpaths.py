@@ -128,13 +128,13 @@ def test_prepacked_model_matches_dense_model() -> None:
     # a step above the panels' row limit: oneDNN's packed weights compute it, with the panels kept beside
     # them (written into the dense weights' memory after oneDNN took its copy, which this checks too)
     prompt = [(31 * i + 7) % 40000 + 100 for i in range(small_batch_rows() + 20)]
-    packed = LLM(model=MODEL, dtype="float32", max_model_len=1024, small_batch_gemm=cpu_native.available() or None)
+    packed = LLM(model=MODEL, dtype="float32", quantization="none", max_model_len=1024, small_batch_gemm=cpu_native.available() or None)
     model = packed.engine.runner.model
     assert model.prepacked and model.lm_head.is_mkldnn and model.layers[0].gate_up_proj.weight.is_mkldnn
     assert (model.layers[0].gate_up_proj.panels is not None) == cpu_native.available()
     fast = _logits(packed, prompt)
     del packed
-    dense = LLM(model=MODEL, dtype="float32", max_model_len=1024, prepack_weights=False)
+    dense = LLM(model=MODEL, dtype="float32", quantization="none", max_model_len=1024, prepack_weights=False)
     assert not dense.engine.runner.model.prepacked
     torch.testing.assert_close(fast, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="prepacked"):
@@ -146,7 +146,7 @@ def test_prepacked_model_matches_dense_model() -> None:
 def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytest.MonkeyPatch) -> None:
     assert small_batch_rows() in (64, 512)  # what the build's instruction set picks (AVX2, AVX-512)
     prompt = [(17 * i + 3) % 40000 + 100 for i in range(11)]  # one step of 11 rows: the panels' range
-    both = LLM(model=MODEL, dtype="float32", max_model_len=256, small_batch_gemm=True)
+    both = LLM(model=MODEL, dtype="float32", quantization="none", max_model_len=256, small_batch_gemm=True)
     model = both.engine.runner.model
     layer = model.layers[0]
     assert layer.gate_up_proj.weight.is_mkldnn and layer.gate_up_proj.panels is not None
@@ -166,10 +166,10 @@ def test_small_steps_use_the_panels_and_match_the_dense_model(monkeypatch: pytes
     with_panels = both.engine.runner.weight_bytes
     del both
     monkeypatch.setattr(linear_module.ops, "panel_gemm", real)
-    dense = LLM(model=MODEL, dtype="float32", max_model_len=256, prepack_weights=False)
+    dense = LLM(model=MODEL, dtype="float32", quantization="none", max_model_len=256, prepack_weights=False)
     torch.testing.assert_close(small, _logits(dense, prompt), rtol=1e-4, atol=1e-4)
     del dense
-    packed_only = LLM(model=MODEL, dtype="float32", max_model_len=256, small_batch_gemm=False)
+    packed_only = LLM(model=MODEL, dtype="float32", quantization="none", max_model_len=256, small_batch_gemm=False)
     model = packed_only.engine.runner.model
     assert model.layers[0].gate_up_proj.panels is None and model.lm_head_panels is None
     # the panels are counted in the weights the memory budget reports: every GEMM weight and the LM head
@@ -197,7 +197,7 @@ def test_malloc_settings_apply_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_large_logits_reuse_one_buffer_and_match_a_plain_lm_head() -> None:
-    llm = LLM(model=MODEL, dtype="float32", max_model_len=256, num_kv_blocks=32)
+    llm = LLM(model=MODEL, dtype="float32", quantization="none", max_model_len=256, num_kv_blocks=32)
     model = llm.engine.runner.model
     rows_over_32mib = (32 << 20) // (4 * model.vocab_size) + 30  # 200 rows of SmolLM2's 49152 ids
     g = torch.Generator().manual_seed(5)
@@ -227,7 +227,7 @@ def test_large_logits_reuse_one_buffer_and_match_a_plain_lm_head() -> None:
 
 
 def test_the_mlp_in_row_slices_gives_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM(model=MODEL, dtype="float32", max_model_len=256, num_kv_blocks=32)
+    llm = LLM(model=MODEL, dtype="float32", quantization="none", max_model_len=256, num_kv_blocks=32)
     runner = llm.engine.runner
     lengths = (9, 7, 11)
     entries = [SeqBatchEntry(token_ids=[(13 * i + 7 * s) % 40000 + 100 for i in range(n)], start_pos=0,
