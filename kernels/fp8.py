@@ -14,12 +14,12 @@ elsewhere (``fp8_reference``'s docstring defines the weight layout and both prod
 from __future__ import annotations
 
 import functools
-import importlib
 from types import ModuleType
 
 import torch
 
 from . import fp8_reference as reference
+from .lazy import LazyModule
 from .settings import current
 
 __all__ = ["quantize", "quantize_weight", "dequantize", "linear", "block_linear", "scaled_mm_linear"]
@@ -29,12 +29,11 @@ quantize_weight = reference.quantize_weight
 dequantize = reference.dequantize
 
 
-@functools.cache
+_TRITON = LazyModule("fp8_triton")
+
+
 def _triton() -> ModuleType | None:
-    try:
-        return importlib.import_module(f"{__package__}.fp8_triton")
-    except Exception:  # ImportError, or a triton without a usable backend: the reference runs
-        return None
+    return _TRITON.load()
 
 
 def _use_triton(x: torch.Tensor, block_k: int) -> bool:

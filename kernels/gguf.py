@@ -22,8 +22,6 @@ shapes that do not fit) raises ValueError on every backend.
 from __future__ import annotations
 
 import ctypes
-import functools
-import importlib
 import threading
 from types import ModuleType
 
@@ -32,6 +30,7 @@ import torch
 from . import cpu_native
 from . import gguf_reference as reference
 from .gguf_reference import GGUF_TYPES, row_bytes
+from .lazy import LazyModule
 from .settings import current
 
 __all__ = ["GGUF_TYPES", "NATIVE_MAX_ROWS", "supported", "row_bytes", "backend_for", "dequantize", "linear",
@@ -53,12 +52,11 @@ def supported(qtype: int) -> bool:
     return qtype in GGUF_TYPES
 
 
-@functools.cache
+_TRITON = LazyModule("gguf_triton")
+
+
 def _triton() -> ModuleType | None:
-    try:
-        return importlib.import_module(f"{__package__}.gguf_triton")
-    except Exception:  # ImportError, or a triton without a usable backend: the reference runs
-        return None
+    return _TRITON.load()
 
 
 def backend_for(t: torch.Tensor) -> str:

@@ -28,7 +28,6 @@ Caller contract (every backend):
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import torch
@@ -40,6 +39,7 @@ from . import settings as _settings
 # back to torch.
 from .cpu_native import available as native_available
 from .cpu_native import greedy_stats, pack_panels, panel_gemm, panel_gemm_max_rows, rms_norm, rope_, silu_mul
+from .lazy import LazyModule
 from .settings import KernelSettings, current
 
 __all__ = [
@@ -77,25 +77,7 @@ __all__ = [
     "gguf_embedding",
 ]
 
-class _LazyModule:
-    """A module of this package imported on first use (the Triton ones import triton); ``error`` says why it
-    could not be."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.module: ModuleType | None = None
-        self.error: Exception | None = None
-
-    def load(self) -> ModuleType | None:
-        if self.module is None and self.error is None:
-            try:
-                self.module = importlib.import_module(f"{__package__}.{self.name}")
-            except Exception as e:  # ImportError, or a triton without a usable backend
-                self.error = e
-        return self.module
-
-
-_TRITON = _LazyModule("triton_kernels")
+_TRITON = LazyModule("triton_kernels")
 
 
 def triton_available() -> bool:
@@ -237,7 +219,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) 
 from . import moe, moe_reference  # noqa: E402 - kept beside their dispatch
 from .moe import moe_route  # noqa: E402
 
-_MOE_TRITON = _LazyModule("moe_triton")
+_MOE_TRITON = LazyModule("moe_triton")
 
 
 def moe_backend_for(hidden: torch.Tensor) -> str:

@@ -5,8 +5,6 @@ float64 implementation written here from the definition."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
@@ -15,6 +13,7 @@ import torch
 
 from kvpilot.kernels import moe, moe_reference
 from kvpilot.kernels import ops as K
+from support.triton_child import run_triton_tests_in_interpreter
 
 # Triton tests run in a fresh interpreter with TRITON_INTERPRET=1 from the start (triton reads it on import):
 # a normal run spawns it and the child runs test_triton_* (tests/test_kernels.py does the same)
@@ -328,12 +327,7 @@ if not INTERPRETED:
 
     @pytest.mark.slow
     def test_fused_moe_under_triton_interpreter():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_triton_", __file__]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
-        assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+        run_triton_tests_in_interpreter(__file__)
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton kernels need a CUDA GPU")
     def test_fused_moe_compiled_on_cuda():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -21,6 +20,7 @@ import torch
 
 from kvpilot.kernels import cpu_native, gguf, gguf_reference
 from kvpilot.kernels import ops as K
+from support.triton_child import run_triton_tests_in_interpreter
 
 gguf_pkg = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants  # noqa: E402
@@ -332,12 +332,7 @@ if not INTERPRETED:
 
     @pytest.mark.slow
     def test_gguf_under_triton_interpreter():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_triton_", __file__]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
-        assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+        run_triton_tests_in_interpreter(__file__)
 
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton kernels need a CUDA GPU")
     @pytest.mark.parametrize("qtype", TYPES, ids=NAMES.get)

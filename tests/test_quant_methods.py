@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ from kvpilot.kernels import fp8 as fp8_kernels
 from kvpilot.kernels import fp8_reference, gguf_reference
 from support import quant_formats as qf
 from support.hf_parity import save_tiny
+from support.triton_child import run_triton_tests_in_interpreter
 
 FP8_ATOL = 1e-5
 INT4_ATOL = 2e-2
@@ -477,12 +476,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRETED:
 
     def test_fp8_triton_kernel_under_the_interpreter() -> None:
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_triton_", __file__]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
-        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-        assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+        run_triton_tests_in_interpreter(__file__)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
