@@ -20,6 +20,7 @@ from typing import Any
 from kvpilot import sizes
 
 from .engine.config import DEFAULT_MODEL, EngineConfig
+from .engine.spec_decode.config import speculative_config_json
 
 __all__ = ["DEFAULT_MODEL", "ServeArgs", "add_serve_arguments", "parse_serve_args", "parse_size",
            "resolve_serve_args"]
@@ -61,6 +62,14 @@ def _non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A dict-valued engine field's flag: a JSON object, as vLLM takes --speculative-config."""
+    try:
+        return speculative_config_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port(text: str) -> int:
@@ -162,6 +171,7 @@ _ENGINE_FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "long_prefill_token_threshold": _non_negative_int,
     "gpu_memory_utilization": float,
     "seed": int,
+    "speculative_config": _json_object,
 }
 _DAEMON_ONLY = {"served_model_name"}  # a list in the server group; the engine gets its first name
 
@@ -176,6 +186,8 @@ def _engine_flag(f: dataclasses.Field, hint: Any) -> _Flag:
         kwargs.update(action=argparse.BooleanOptionalAction, default=None)
     elif "choices" in f.metadata:
         kwargs.update(type=base, choices=list(f.metadata["choices"]))
+    elif typing.get_origin(base) is dict:
+        kwargs.update(type=_ENGINE_FIELD_TYPES[f.name], metavar="JSON")
     else:
         kwargs["type"] = _ENGINE_FIELD_TYPES.get(f.name, _positive_int if base is int else base)
     if f.name == "model":

@@ -84,7 +84,30 @@ class _EngineStatsCollector(Collector):
                       stats.prefix_cache_hits_total)
         yield counter("vllm:prompt_tokens_total", "Prefill tokens processed.", stats.prompt_tokens_total)
         yield counter("vllm:generation_tokens_total", "Tokens generated.", stats.generation_tokens_total)
+        yield from self._spec_decode(stats, name)
 
+    @staticmethod
+    def _spec_decode(stats: Any, name: list[str]):
+        """vLLM's speculative-decoding counters, shown (as vLLM does) only when speculation is configured:
+        the per-position counts then have one entry per draft position."""
+        per_pos = getattr(stats, "spec_decode_num_accepted_tokens_per_pos", ())
+        if not per_pos:
+            return
+        for metric, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Verifications: one per speculating sequence and step.",
+                 stats.spec_decode_num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_decode_num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 stats.spec_decode_num_accepted_tokens)):
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric(name, float(value))
+            yield c
+        pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted draft tokens by position in the draft (0 = the first).",
+                                  labels=["model_name", "position"])
+        for j, value in enumerate(per_pos):
+            pos.add_metric([*name, str(j)], float(value))
+        yield pos
 
     def _config_infos(self, stats: Any):
         """The info gauges gateways read (the Inference Extension's endpoint picker): labels carry the

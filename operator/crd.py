@@ -113,6 +113,7 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
     # server's RE2 and the daemon refuse: ask the daemon's own parser.
     if isinstance(e.get("kvCacheMemory"), str) and not sizes.is_size(e["kvCacheMemory"]):
         errors.append(f"engine.kvCacheMemory is not a size: {e['kvCacheMemory']!r}")
+    errors += speculative_rule_errors(e.get("speculative"))
     a = spec.get("autoscaling", {})
     try:
         if a["minReplicas"] > a["maxReplicas"]:
@@ -125,6 +126,21 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
             errors.append("autoscaling.targetWaitingRequests must be > 0")
     except (KeyError, TypeError):
         pass  # already reported by the schema check
+    return errors
+
+
+def speculative_rule_errors(s: Any) -> list[str]:
+    """The CEL rules on spec.engine.speculative (its fields' types are the schema's to check)."""
+    if not isinstance(s, dict):
+        return []
+    errors = []
+    lo, hi = s.get("promptLookupMin"), s.get("promptLookupMax")
+    if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+        errors.append("engine.speculative.promptLookupMin must be <= engine.speculative.promptLookupMax")
+    if s.get("method") != "ngram" and (lo is not None or hi is not None):
+        errors.append("engine.speculative.promptLookupMin and promptLookupMax are for method ngram")
+    if (s.get("method") == "draft_model") != ("model" in s):
+        errors.append("engine.speculative.model is required for method draft_model and not allowed for ngram")
     return errors
 
 

@@ -5,6 +5,7 @@ Nothing here talks to the API; the same input always renders the same output, wh
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -128,9 +129,23 @@ def daemon_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
         args += ["--gpu-memory-utilization", str(e["gpuMemoryUtilization"])]
     if e.get("maxQueuedRequests"):
         args += ["--max-queued-requests", str(e["maxQueuedRequests"])]
+    if e.get("speculative"):
+        args += ["--speculative-config", speculative_config_json(e["speculative"])]
     if spec.get("apiKeySecret"):
         args += ["--api-key", "$(KVPILOT_API_KEY)"]  # expanded by the kubelet, never stored in the spec
     return args + list(e.get("extraArgs", []))
+
+
+# spec.engine.speculative's camelCase keys -> the JSON keys of the daemon's --speculative-config (vLLM's)
+SPECULATIVE_KEYS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
+                    "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max",
+                    "model": "model", "disableByBatchSize": "disable_by_batch_size"}
+
+
+def speculative_config_json(speculative: dict[str, Any]) -> str:
+    """spec.engine.speculative as the daemon's --speculative-config value (the fields that are set)."""
+    return json.dumps({SPECULATIVE_KEYS[k]: v for k, v in speculative.items() if k in SPECULATIVE_KEYS},
+                      separators=(",", ":"))
 
 
 def container_resources(spec: dict[str, Any]) -> dict[str, Any]:

@@ -127,3 +127,20 @@ def test_reserved_variables_set_no_flag(monkeypatch):
     monkeypatch.setattr(args_module, "_SERVER_FLAGS", (*args_module._SERVER_FLAGS, clash))
     with pytest.raises(RuntimeError, match="KVPILOT_TEST_SWITCH"):
         parse_serve_args([], environ={})
+
+
+def test_speculative_config_is_a_json_flag_and_variable(capsys):
+    """vLLM's --speculative-config: a JSON object, checked by the engine's own rules (a bad value exits 2
+    naming the key)."""
+    raw = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+    cfg = parse_serve_args(["--speculative-config", raw], environ={}).engine
+    assert cfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
+    assert cfg.speculative.num_speculative_tokens == 5
+    assert parse_serve_args([], environ={"KVPILOT_SPECULATIVE_CONFIG": raw}).engine.speculative_config["method"] == "ngram"
+    assert parse_serve_args([], environ={}).engine.speculative_config is None
+    for bad, says in [('{"method": "ngram"', "not JSON"), ("[1, 2]", "JSON object"),
+                      ('{"method": "eagle", "num_speculative_tokens": 2}', "EAGLE"),
+                      ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens")]:
+        with pytest.raises(SystemExit) as exc:
+            parse_serve_args(["--speculative-config", bad], environ={})
+        assert exc.value.code == 2 and says in capsys.readouterr().err

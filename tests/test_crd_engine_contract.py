@@ -19,6 +19,7 @@ from kvpilot import sizes
 from kvpilot.daemon.args import ServeArgs, parse_serve_args
 from kvpilot.daemon.engine import runner as runner_mod
 from kvpilot.daemon.engine.config import QUANTIZATIONS, EngineConfig
+from kvpilot.daemon.engine.spec_decode import config as spec_config
 from kvpilot.operator import crd, resources
 from operator_support import crd_checks as checks
 from operator_support.harness import CR_PATH, cluster
@@ -43,7 +44,11 @@ NOT_IN_CRD: dict[str, str] = {
     "malloc_tuning": "glibc heap tuning for CPU pods, right by default: extraArgs",
     "populate_kv": "CPU KV-cache page mapping, right by default: extraArgs",
     "num_threads": "follows resources.cpu: the daemon sizes its threads from the pod's cgroup CPU limit",
+    "speculative_config": "spec.engine.speculative, an object with camelCase keys, rendered as the JSON of "
+                          "--speculative-config (OBJECT_FIELDS; checked key by key below)",
 }
+# spec.engine objects standing for a dict-valued EngineConfig field, rendered as its JSON flag
+OBJECT_FIELDS: dict[str, str] = {"speculative": "speculative_config"}
 
 # spec.engine fields that are the daemon's settings (ServeArgs), not the engine's.
 DAEMON_FIELDS: dict[str, str] = {"maxQueuedRequests": "max_queued_requests"}
@@ -55,6 +60,8 @@ EVERY_FIELD_SET: dict[str, Any] = {
     "maxModelLen": 1234, "dtype": "float16", "kvCacheDtype": "bfloat16", "kvCacheMemory": "1.5Gi",
     "gpuMemoryUtilization": 0.55, "enablePrefixCaching": False, "schedulingPolicy": "priority",
     "maxQueuedRequests": 17, "extraArgs": ["--seed", "5"],
+    "speculative": {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 1, "promptLookupMax": 4,
+                    "disableByBatchSize": 2},
 }
 
 JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
@@ -103,15 +110,16 @@ def test_every_engine_field_is_decided():
 
 
 def test_every_crd_engine_field_is_known():
-    expected = {camel(n) for n in EXPOSED} | set(DAEMON_FIELDS) | PASSTHROUGH
+    expected = {camel(n) for n in EXPOSED} | set(DAEMON_FIELDS) | PASSTHROUGH | set(OBJECT_FIELDS)
     assert set(engine_props()) == expected
+    assert set(OBJECT_FIELDS.values()) <= set(NOT_IN_CRD)
     serve_fields = {f.name for f in dataclasses.fields(ServeArgs)}
     assert set(DAEMON_FIELDS.values()) <= serve_fields
 
 
 @pytest.mark.parametrize("prop", sorted(engine_props().keys() - PASSTHROUGH))
 def test_descriptions_name_their_flag(prop):
-    dest = DAEMON_FIELDS.get(prop) or next(n for n in EXPOSED if camel(n) == prop)
+    dest = DAEMON_FIELDS.get(prop) or OBJECT_FIELDS.get(prop) or next(n for n in EXPOSED if camel(n) == prop)
     assert f"({kebab(dest)}" in engine_props()[prop]["description"]
 
 
@@ -260,6 +268,8 @@ def test_every_field_set_reaches_the_daemon():
     for prop, dest in DAEMON_FIELDS.items():
         assert getattr(a, dest) == EVERY_FIELD_SET[prop], prop
     assert cfg.seed == 5  # extraArgs
+    assert cfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                      "prompt_lookup_max": 4, "disable_by_batch_size": 2}
 
 
 def test_a_bare_spec_runs_the_daemons_defaults():
@@ -270,6 +280,8 @@ def test_a_bare_spec_runs_the_daemons_defaults():
         assert getattr(cfg, name) == default_of(name), name
     for dest in DAEMON_FIELDS.values():
         assert getattr(a, dest) == getattr(ServeArgs(), dest)
+    for dest in OBJECT_FIELDS.values():
+        assert getattr(cfg, dest) is None, dest
 
 
 # --- spec.model.quantization: the daemon's --quantization -----------------------------------------------
@@ -325,6 +337,67 @@ async def test_the_emulated_server_rejects_an_unknown_quantization(tmp_path):
                                         {"spec": {"model": {"quantization": "int8"}}})
         assert status == 422 and "spec.model.quantization" in body["message"], body
         assert (await k.cr("ml", "llm"))["spec"]["model"]["quantization"] == "fp8"
+
+
+# --- spec.engine.speculative: the daemon's --speculative-config -------------------------------------------
+
+def speculative_node() -> dict[str, Any]:
+    return engine_props()["speculative"]
+
+
+def test_speculative_keys_are_vllms():
+    """Each camelCase key stands for one speculative_config key (vLLM's names), and names it in its description
+    or the object's; the method enum is the engine's."""
+    node = speculative_node()
+    assert set(node["properties"]) == set(resources.SPECULATIVE_KEYS)
+    assert set(resources.SPECULATIVE_KEYS.values()) == set(spec_config._KEYS)
+    for prop, key in resources.SPECULATIVE_KEYS.items():
+        assert camel(key) == prop
+        assert f"({key})" in node["properties"][prop]["description"] or prop == "method", prop
+    assert node["properties"]["method"]["enum"] == list(spec_config.METHODS)
+    assert "(--speculative-config" in node["description"] and "default" not in node
+
+
+def spec_daemon_accepts(value: dict[str, Any]) -> bool:
+    """The daemon's verdict on the JSON the operator renders for this spec.engine.speculative."""
+    return daemon_accepts("speculative_config", resources.speculative_config_json(value))
+
+
+NGRAM = {"method": "ngram", "numSpeculativeTokens": 4}
+DRAFT = {"method": "draft_model", "numSpeculativeTokens": 3, "model": "self:4"}
+
+
+@pytest.mark.parametrize("value", [
+    NGRAM, DRAFT, {**DRAFT, "model": "hf://org/draft"}, {**DRAFT, "model": "builtin://smollm2-135m"},
+    {**NGRAM, "numSpeculativeTokens": 0}, {**NGRAM, "numSpeculativeTokens": 1}, {**NGRAM, "numSpeculativeTokens": -1},
+    {**NGRAM, "promptLookupMin": 3, "promptLookupMax": 3}, {**NGRAM, "promptLookupMin": 4, "promptLookupMax": 3},
+    {**NGRAM, "promptLookupMin": 0}, {**NGRAM, "promptLookupMax": 0}, {**NGRAM, "promptLookupMax": 1},
+    {**NGRAM, "promptLookupMin": 7}, {**NGRAM, "disableByBatchSize": 0}, {**NGRAM, "disableByBatchSize": 1},
+    {**NGRAM, "method": "eagle"}, {**NGRAM, "method": "bogus"}, {**NGRAM, "model": "self:2"},
+    {**DRAFT, "model": "self:0"}, {**DRAFT, "model": "self:x"}, {**DRAFT, "model": "self:12"},
+    {**DRAFT, "promptLookupMax": 3}, {k: v for k, v in DRAFT.items() if k != "model"},
+])
+def test_speculative_values_agree_with_the_daemon(value):
+    assert crd_accepts({"speculative": value}) == spec_daemon_accepts(value), value
+
+
+def test_speculative_crd_refuses_what_the_pod_cannot_load():
+    """Stricter than the daemon on purpose: a pvc:// or local draft is not mounted in the pod."""
+    for model in ("pvc://claim/draft", "/models/draft", "file:///d"):
+        assert not crd_accepts({"speculative": {**DRAFT, "model": model}}), model
+
+
+@pytest.mark.parametrize("value", [NGRAM, DRAFT, EVERY_FIELD_SET["speculative"]])
+def test_speculative_reaches_the_daemon(value):
+    args = resources.daemon_args(META, crd.default_spec({"model": {"uri": "hf://org/m"}, "engine": {"speculative": value}}))
+    assert args.count("--speculative-config") == 1
+    cfg = rendered({"speculative": value}).engine_config()
+    assert cfg.speculative_config == {resources.SPECULATIVE_KEYS[k]: v for k, v in value.items()}
+    assert cfg.speculative.num_speculative_tokens == value["numSpeculativeTokens"]
+
+
+def test_no_speculative_renders_no_flag():
+    assert "--speculative-config" not in resources.daemon_args(META, crd.default_spec({"model": {"uri": "hf://org/m"}}))
 
 
 # --- kvCacheMemory on GPUs: a cap beside gpuMemoryUtilization -------------------------------------------

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpilot.block_hash import hash_prompt_blocks
+from kvpilot.block_hash import hash_block_tokens, hash_prompt_blocks
 from kvpilot.daemon.engine.kv_cache import BlockPool, FreeBlockQueue, KVCacheManager
 from kvpilot.daemon.engine.sampling_params import SamplingParams
 from kvpilot.daemon.engine.sequence import Sequence
@@ -192,14 +192,46 @@ def test_swap_roundtrip_books():
     assert kv.num_free_blocks == 4 and len(kv.free_cpu_blocks) == 4
 
 
+def test_rollback_slots_frees_the_blocks_past_the_count():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    seq = _seq("a", range(6))
+    _admit(kv, seq)  # 6 tokens: 2 blocks, the first published
+    assert kv.allocate_slots(seq, 1 + 5) is not None  # a step's token and 5 drafts: 12 slots, 3 blocks
+    assert len(kv.block_ids(seq)) == 3 and kv.num_free_blocks == 5
+    kv.rollback_slots(seq, 8)  # one draft accepted: 8 tokens, 2 blocks
+    assert len(kv.block_ids(seq)) == 2 and kv.num_free_blocks == 6
+    assert kv.stats().num_used_slots == 8
+    kv.check_invariants()
+    with pytest.raises(ValueError, match="back to 9"):
+        kv.rollback_slots(seq, 9)  # more than it holds
+    with pytest.raises(RuntimeError, match="published"):
+        kv.rollback_slots(seq, 3)  # into the first block, which the prefix cache holds
+    kv.rollback_slots(_seq("unknown", [1]), 0)  # no table (swapped, freed): nothing to do
+
+
+def test_swap_out_drops_draft_slots():
+    kv = KVCacheManager(num_blocks=8, block_size=BS, num_cpu_blocks=8)
+    seq = _seq("a", range(6))
+    _admit(kv, seq)
+    kv.allocate_slots(seq, 1 + 6)  # drafts reach a third and a fourth block
+    assert len(kv.block_ids(seq)) == 4
+    assert len(kv.swap_out(seq)) == 2  # only the blocks of its 6 computed tokens travel
+    kv.swap_in(seq)
+    assert len(kv.block_ids(seq)) == 2
+    kv.check_invariants()
+
+
 class KVMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / preempt / abort / swap sequences."""
+    """Random allocate / append / fork / free / preempt / abort / swap sequences, and speculation: slots for
+    a step's token plus k drafts, then a verification that keeps some and rolls the rest back, or a
+    preemption (recompute or swap) while the draft slots are held."""
 
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(num_blocks=12, block_size=BS, enable_prefix_caching=True, num_cpu_blocks=6)
         self.seqs: dict[str, Sequence] = {}  # live on device: all their tokens' K/V are in the cache
         self.swapped: dict[str, Sequence] = {}
+        self.drafts: dict[str, int] = {}  # of self.seqs: those holding slots for 1 + this many drafts
         self.counter = 0
 
     def _new_id(self) -> str:
@@ -225,10 +257,48 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.cache_blocks(seq, len(prompt))
         self.seqs[seq.seq_id] = seq
 
-    @precondition(lambda self: self.seqs)
+    def _settled(self) -> list[str]:
+        return sorted(set(self.seqs) - set(self.drafts))
+
+    @precondition(lambda self: set(self.seqs) - set(self.drafts))
+    @rule(data=st.data(), k=st.integers(1, 6))
+    def speculate(self, data, k):
+        # the scheduler's call for a decode with k drafts: its token plus the drafts, none computed yet
+        seq = self.seqs[data.draw(st.sampled_from(self._settled()))]
+        if self.kv.allocate_slots(seq, 1 + k) is not None:
+            self.drafts[seq.seq_id] = k
+            self.kv.take_pending_copies()
+
+    @precondition(lambda self: self.drafts)
+    @rule(data=st.data())
+    def verify(self, data):
+        # accepted drafts and the step's own token become tokens of the sequence; the rest roll back
+        rid = data.draw(st.sampled_from(sorted(self.drafts)))
+        seq, k = self.seqs[rid], self.drafts.pop(rid)
+        accepted = data.draw(st.integers(0, k))
+        for token in data.draw(st.lists(st.integers(0, 3), min_size=1 + accepted, max_size=1 + accepted)):
+            seq.append_output_token(token)
+        seq.num_computed_tokens = seq.num_tokens
+        self.kv.rollback_slots(seq, seq.num_computed_tokens)
+        self.kv.cache_blocks(seq, seq.num_computed_tokens)
+
+    @precondition(lambda self: self.drafts)
+    @rule(data=st.data(), swap=st.booleans())
+    def preempt_mid_speculation(self, data, swap):
+        # preempted while holding draft slots: recompute frees everything; swap keeps the computed blocks only
+        rid = data.draw(st.sampled_from(sorted(self.drafts)))
+        seq = self.seqs[rid]
+        del self.drafts[rid]
+        if swap and self.kv.can_swap_out(seq):
+            self.kv.swap_out(seq)
+            self.swapped[rid] = self.seqs.pop(rid)
+        else:
+            self.kv.free(self.seqs.pop(rid))
+
+    @precondition(lambda self: set(self.seqs) - set(self.drafts))
     @rule(data=st.data(), n=st.integers(1, 6))
     def append(self, data, n):
-        seq = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        seq = self.seqs[data.draw(st.sampled_from(self._settled()))]
         if self.kv.allocate_slots(seq, n) is not None:
             for token in data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)):
                 seq.append_output_token(token)
@@ -236,10 +306,10 @@ class KVMachine(RuleBasedStateMachine):
             self.kv.cache_blocks(seq, seq.num_tokens)
             self.kv.take_pending_copies()
 
-    @precondition(lambda self: self.seqs)
+    @precondition(lambda self: set(self.seqs) - set(self.drafts))
     @rule(data=st.data())
     def fork(self, data):
-        parent = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        parent = self.seqs[data.draw(st.sampled_from(self._settled()))]
         child = _seq(self._new_id(), parent.all_token_ids, salt=parent.cache_salt, num_computed=parent.num_tokens)
         self.kv.fork(parent, child)
         self.seqs[child.seq_id] = child
@@ -249,12 +319,13 @@ class KVMachine(RuleBasedStateMachine):
     def finish_or_abort_or_preempt(self, data):
         # For the books, finish, abort and recompute-preemption all drop every block of the sequence.
         rid = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.drafts.pop(rid, None)
         self.kv.free(self.seqs.pop(rid))
 
-    @precondition(lambda self: self.seqs)
+    @precondition(lambda self: set(self.seqs) - set(self.drafts))
     @rule(data=st.data())
     def swap_out(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.seqs)))
+        rid = data.draw(st.sampled_from(self._settled()))
         if self.kv.can_swap_out(self.seqs[rid]):
             self.kv.swap_out(self.seqs[rid])
             self.swapped[rid] = self.seqs.pop(rid)
@@ -278,7 +349,24 @@ class KVMachine(RuleBasedStateMachine):
     def books_balance(self):
         self.kv.check_invariants()
         for seq in self.seqs.values():
-            assert len(self.kv.block_ids(seq)) == self.kv.num_blocks_needed(seq.num_tokens)
+            slots = seq.num_tokens + 1 + self.drafts[seq.seq_id] if seq.seq_id in self.drafts else seq.num_tokens
+            assert len(self.kv.block_ids(seq)) == self.kv.num_blocks_needed(slots)
+
+    @invariant()
+    def prefix_cache_holds_verified_tokens_only(self):
+        # every block a sequence has published is full of its verified tokens, hashed as they are
+        for seq in self.seqs.values():
+            table = self.kv.tables[seq.seq_id]
+            assert table.num_registered * BS <= seq.num_computed_tokens
+            assert len(table.hashes) * BS <= seq.num_tokens, f"{seq.seq_id}: a hash of a block it has not filled"
+            parent = None
+            for i, block_hash in enumerate(table.hashes):
+                parent = hash_block_tokens(parent, seq.all_token_ids[i * BS : (i + 1) * BS],
+                                           (seq.cache_salt,) if i == 0 and seq.cache_salt is not None else ())
+                assert block_hash == parent, f"{seq.seq_id}: block {i} hashed tokens it does not hold"
+            for i in range(table.num_registered):
+                block = table.blocks[i]
+                assert block.block_hash is None or block.block_hash == table.hashes[i]
 
     def teardown(self):
         for seq in list(self.seqs.values()) + list(self.swapped.values()):

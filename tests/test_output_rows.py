@@ -97,3 +97,24 @@ def test_engine_greedy_unchanged_and_prompt_logprobs_use_every_row(llm: LLM) -> 
     ids = out.prompt_token_ids
     assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
     assert all(ids[p] in out.prompt_logprobs[p] for p in range(1, len(ids)))
+
+
+def test_a_sequence_verifying_drafts_gets_a_row_per_position(llm: LLM) -> None:
+    """Speculative decoding: an entry of its last token and 3 drafts returns 4 rows of logits (each a one-token
+    query over its own causal context), beside a prefill chunk and a decode, equal to the whole forward's."""
+    runner = llm.engine.runner
+    g = torch.Generator().manual_seed(3)
+    entries = [SeqBatchEntry(torch.randint(100, 40000, (37,), generator=g).tolist(), 0, [0, 1, 2], True),
+               SeqBatchEntry(torch.randint(100, 40000, (4,), generator=g).tolist(), 30, [3, 4, 5], True, num_logits=4),
+               SeqBatchEntry([555], 17, [6, 7], True)]
+    for c in runner.k_caches + runner.v_caches:
+        c[:8] = torch.randn(c[:8].shape, generator=torch.Generator().manual_seed(2)) * 0.5
+    input_ids, positions, meta, rows, output_rows = runner._prepare(entries)  # noqa: SLF001
+    assert rows.tolist() == [36, 37, 38, 39, 40, 41]
+    assert output_rows.meta.context_lens.tolist() == [37, 31, 32, 33, 34, 18]
+    ref = _whole_forward(runner, entries)
+    logits = runner.execute(entries)
+    assert logits.shape == (6, runner.vocab_size)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="num_logits"):
+        runner.execute([SeqBatchEntry([5, 6], 0, [0], True, num_logits=3)])

@@ -85,6 +85,14 @@ class FakeKV:
         self.held[seq.seq_id] = self.paid[seq.seq_id] = n
         return [(i, i) for i in range(n)]
 
+    def rollback_slots(self, seq: Sequence, num_tokens: int) -> None:
+        keep = -(-num_tokens // BS)
+        extra = self.held.get(seq.seq_id, 0) - keep
+        if extra > 0:
+            self.held[seq.seq_id] = keep
+            self.paid[seq.seq_id] -= extra
+            self.num_free += extra
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         return []
 
@@ -327,3 +335,93 @@ def test_long_prefill_threshold_caps_prompt_chunks_only_beside_decodes():
 def test_long_prefill_threshold_must_not_be_negative():
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         EngineConfig(long_prefill_token_threshold=-1)
+
+
+# --- speculative decoding: drafts spend budget and slots; only verified tokens count as computed -------------
+
+def _decoding(sched: Scheduler, *prompt_lens: int) -> list[Sequence]:
+    """Running sequences "a", "b", ... admitted in one step: prompts computed, one sampled token each to decode."""
+    seqs = [_seq("abcdef"[i], n, arrival=i) for i, n in enumerate(prompt_lens)]
+    for seq in seqs:
+        sched.add_sequence(seq)
+    _decode_all(sched, sched.schedule())
+    assert all(seq.num_tokens == seq.num_computed_tokens + 1 for seq in seqs)
+    return seqs
+
+
+def test_drafts_count_against_the_token_budget():
+    sched, kv = _scheduler(max_num_batched_tokens=64)
+    a, b = _decoding(sched, 4, 4)
+    sched.config.max_num_batched_tokens = 7
+    a.num_draft_tokens = b.num_draft_tokens = 4
+    out = sched.schedule()
+    assert [(e.seq.seq_id, e.num_new_tokens, e.num_draft_tokens) for e in out.scheduled] == [("a", 5, 4), ("b", 2, 1)]
+    assert out.num_batched_tokens == 7
+    assert kv.held == {"a": 3, "b": 2}  # slots for 4 + 1 + 4 and 4 + 1 + 1 tokens
+    assert all(e.completes_sequence and e.num_verified_new == 1 for e in out.scheduled)
+
+
+def test_drafts_never_preempt_anyone():
+    sched, kv = _scheduler(num_blocks=4)
+    a, b = _decoding(sched, 6, 3)  # 2 + 1 blocks; 1 left
+    a.num_draft_tokens = 6  # would need 2 more blocks
+    out = sched.schedule()
+    assert [(e.seq.seq_id, e.num_new_tokens, e.num_draft_tokens) for e in out.scheduled] == [("a", 1, 0), ("b", 1, 0)]
+    assert not out.preempted and b.status == SequenceStatus.RUNNING
+
+
+def test_a_preempted_sequence_drops_its_drafts():
+    sched, _ = _scheduler(num_blocks=3)
+    a, b = _decoding(sched, 8, 3)  # 2 + 1 blocks: full
+    b.num_draft_tokens = 3
+    out = sched.schedule()  # a's next token needs a block: b, the latest, is preempted
+    assert out.preempted == [b] and b.num_draft_tokens == 0
+    assert [e.seq.seq_id for e in out.scheduled] == ["a"]
+
+
+def test_verification_keeps_accepted_slots_and_rolls_back_the_rest():
+    sched = Scheduler(EngineConfig(block_size=8, max_num_batched_tokens=64), num_blocks=8)
+    kv = sched.kv_manager
+    (seq,) = _decoding(sched, 14)  # 14 prompt tokens computed, one sampled token to decode
+    seq.num_draft_tokens = 5
+    out = sched.schedule()
+    (entry,) = out.scheduled
+    entry.set_drafts([101, 102, 103])  # the proposer found three
+    assert (entry.num_new_tokens, entry.num_draft_tokens) == (4, 3)
+    assert len(kv.block_ids(seq)) == 3  # slots for 15 + 5 tokens were reserved
+    sched.update_after_step(out)
+    assert seq.num_computed_tokens == 15  # the drafts do not count yet
+    for token in (101, 102, 7):  # two drafts accepted, then the target's own token
+        seq.append_output_token(token)
+    sched.finish_drafts(entry, 2)
+    assert seq.num_computed_tokens == 17 and seq.num_tokens == 18
+    assert len(kv.block_ids(seq)) == 3 and kv.tables["a"].num_tokens == 17  # 17 slots: the rejected one is back
+    assert kv.tables["a"].num_registered == 2  # two full blocks of verified tokens, published
+    kv.check_invariants()
+
+
+def test_the_prefix_cache_never_sees_rejected_drafts():
+    sched = Scheduler(EngineConfig(block_size=8, max_num_batched_tokens=64), num_blocks=16)
+    (seq,) = _decoding(sched, 7)  # 7 prompt tokens + 1 sampled: the next step fills block 0's last slot
+    seq.num_draft_tokens = 8
+    out = sched.schedule()
+    (entry,) = out.scheduled
+    entry.set_drafts([50 + i for i in range(8)])  # a whole second block of drafts
+    sched.update_after_step(out)
+    seq.append_output_token(99)  # the first draft is rejected: 99 follows instead
+    sched.finish_drafts(entry, 0)
+    assert sched.kv_manager.tables["a"].num_registered == 1
+    other = Sequence("b", list(seq.all_token_ids[:8]) + [50 + i for i in range(8)] + [1], SamplingParams())
+    _, cached = sched.kv_manager.get_computed_blocks(other)
+    assert cached == 8  # the drafts' block was never published
+
+
+def test_finish_drafts_after_the_sequence_finished_is_a_no_op():
+    sched, kv = _scheduler()
+    (seq,) = _decoding(sched, 4)
+    seq.num_draft_tokens = 2
+    out = sched.schedule()
+    sched.update_after_step(out)
+    sched.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED)  # a stop string inside the accepted run
+    sched.finish_drafts(out.scheduled[0], 1)
+    assert kv.held == {} and seq.num_computed_tokens == 5

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from .spec_decode.config import SpeculativeConfig, parse_speculative_config, speculative_config_json
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -67,6 +70,13 @@ class EngineConfig:
     swap_space: float = field(default=1.0, metadata={
         "help": "GiB of CPU memory for swapped-out blocks"})
     seed: int = field(default=0, metadata={"help": "random seed of the engine"})
+    speculative_config: dict[str, Any] | None = field(default=None, metadata={
+        "help": "speculative decoding, as a JSON object with vLLM's keys: method (ngram or draft_model), "
+                "num_speculative_tokens, prompt_lookup_min/prompt_lookup_max (ngram), model (draft_model: "
+                "self:N for the target's first N layers, or a model with the same tokenizer) and "
+                "disable_by_batch_size (no speculation above this many running sequences; default 8). "
+                "E.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Exact: the output "
+                "distribution is the model's own"})
     # kernel and host choices: resolved once at engine start (the kernels' KernelSettings, the runner's
     # threads and memory), never read per step
     attention_backend: str = field(default="auto", metadata={
@@ -130,6 +140,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.small_batch_gemm is not None and not isinstance(self.small_batch_gemm, bool):
             raise ValueError(f"small_batch_gemm must be true, false or None (auto), got {self.small_batch_gemm!r}")
+        if isinstance(self.speculative_config, str):  # its JSON, as `--speculative-config` takes it
+            self.speculative_config = speculative_config_json(self.speculative_config)
+        parse_speculative_config(self.speculative_config)  # a bad one fails here, naming the key
         if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(
                 self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config``, checked; None when speculation is off."""
+        return parse_speculative_config(self.speculative_config)

@@ -6,7 +6,8 @@ blocks can be reused from the prefix cache.
 
 The scheduler admits a sequence with two calls: `get_computed_blocks(seq)` finds the cached
 prefix (taking nothing), and `allocate_slots(seq, num_new_tokens, computed_blocks)` takes those
-blocks plus room for the new tokens, or returns None and changes nothing.
+blocks plus room for the new tokens, or returns None and changes nothing. Speculative decoding
+adds a third: `rollback_slots(seq, num_tokens)` gives back the slots of rejected draft tokens.
 """
 
 from __future__ import annotations
@@ -331,6 +332,24 @@ class KVCacheManager:
         table.num_tokens = total
         return fresh_blocks
 
+    def rollback_slots(self, seq: Sequence, num_tokens: int) -> None:
+        """Shrink the sequence's slots to its first ``num_tokens`` (after a verification rejected the drafts
+        past them): the blocks beyond are released, tail first. Published blocks hold verified tokens
+        only, so a rollback never reaches one. A sequence without a table (swapped, freed) is left alone."""
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"cannot roll sequence {seq.seq_id} back to {num_tokens} tokens: it has {table.num_tokens}")
+        if num_tokens < table.num_registered * self.block_size:
+            raise RuntimeError(f"sequence {seq.seq_id}: rollback to {num_tokens} tokens reaches a published block")
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(table.blocks):
+            self.pool.release(reversed(table.blocks[keep:]))
+            del table.blocks[keep:]
+            del table.ids[keep:]
+        table.num_tokens = num_tokens
+
     def _take_computed(self, table: _Table, seq: Sequence, computed_blocks: list[Block] | tuple) -> None:
         self._count_prefix_query(seq, len(computed_blocks) * self.block_size)
         for block in computed_blocks:
@@ -382,12 +401,17 @@ class KVCacheManager:
         self.pool.reset_prefix_cache()
 
     # ----------------------------------------------------------------- swap
+    def _computed_blocks(self, table: _Table, seq: Sequence) -> int:
+        """Blocks holding the sequence's computed tokens: what a swap keeps (draft slots past them go)."""
+        return self.num_blocks_needed(min(table.num_tokens, seq.num_computed_tokens))
+
     def can_swap_out(self, seq: Sequence) -> bool:
         table = self.tables.get(seq.seq_id)
-        return table is not None and len(table.blocks) <= len(self.free_cpu_blocks)
+        return table is not None and self._computed_blocks(table, seq) <= len(self.free_cpu_blocks)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move a sequence's blocks to the CPU pool. Returns (device block, cpu block) pairs to copy."""
+        self.rollback_slots(seq, min(self.tables[seq.seq_id].num_tokens, seq.num_computed_tokens))
         table = self.tables.pop(seq.seq_id)
         cpu_ids = [self.free_cpu_blocks.pop() for _ in table.blocks]
         pairs = [(b.block_id, c) for b, c in zip(table.blocks, cpu_ids, strict=True)]

@@ -19,10 +19,12 @@ from .request import Request
 from .runner import ModelRunner, SeqBatchEntry
 from .sampler import Sampler, SampleResult, SamplingState, make_generator
 from .sampling_params import RequestOutputKind, SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
+from .spec_decode.verify import GeneratorRewind, emit
 
 if TYPE_CHECKING:
+    from .spec_decode.speculator import Speculator
     from .structured.engine_state import StructuredOutputs
 
 logger = logging.getLogger("kvpilot.engine")
@@ -46,6 +48,11 @@ class EngineStats:
     kv_cache_waste: float
     model_weight_bytes: int = 0
     quantization: str = "none"
+    # speculative decoding (vLLM's vllm:spec_decode_* counters); all zero without a speculative_config
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:
@@ -88,6 +95,11 @@ class LLMEngine:
             )
             self.max_model_len = num_blocks * block_size
         self.scheduler = Scheduler(self.config, num_blocks, num_cpu_blocks)
+        self.speculator: Speculator | None = None
+        if self.config.speculative is not None:
+            from .spec_decode.speculator import make_speculator
+
+            self.speculator = make_speculator(self.config, self.loaded, self.runner, self.max_model_len)
         self.sampler = Sampler()
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, InputLimits(self.max_model_len, self.vocab_size))
@@ -186,20 +198,26 @@ class LLMEngine:
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled()
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running)
         out = self.scheduler.schedule()
         self._apply_block_moves(out)
         for seq in out.preempted:
             logger.debug("preempted %s (%s)", seq.seq_id, seq.status.value)
+        if self.speculator is not None:
+            self.speculator.forget(out.preempted)
+            self.speculator.propose(out.scheduled)
         if out.is_empty:
             if not failed and self._structured is not None and self.requests:
                 self._structured.wait(0.05)  # only compiles pending: do not spin
             return [self._make_output(r) for r in failed]
         entries = [
             SeqBatchEntry(
-                token_ids=e.seq.all_token_ids[e.start_pos : e.start_pos + e.num_new_tokens],
+                token_ids=e.seq.all_token_ids[e.start_pos : e.start_pos + e.num_verified_new] + e.draft_token_ids,
                 start_pos=e.start_pos,
                 block_table=e.block_table,
                 compute_logits=e.completes_sequence,
+                num_logits=1 + e.num_draft_tokens,
                 prompt_targets=_prompt_targets(e.seq, e.start_pos, e.num_new_tokens),
                 prompt_top_k=e.seq.sampling_params.prompt_logprobs or 0,
             )
@@ -250,10 +268,57 @@ class LLMEngine:
         request.metrics.finished_time = time.monotonic()
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, now: float) -> dict[str, Request]:
-        """Sample the next token of every sequence whose chunk reached its end; returns the requests touched."""
+        """Sample the next token of every sequence whose chunk reached its end, and verify the drafts of the
+        speculating ones (spec_decode.verify); returns the requests touched."""
         touched: dict[str, Request] = {}
+        rows, seqs, prefixes, verifying = self._sampling_rows(out, now)
+        if not seqs:
+            return touched
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, dtype=torch.long)]
+        off_grammar: set[int] = set()
+        if self._structured is not None and any(s.grammar is not None for s in seqs):
+            off_grammar = self._structured.mask(logits, seqs, prefixes) if verifying else \
+                self._structured.mask(logits, seqs)
+        states = [
+            SamplingState(
+                params=s.sampling_params,
+                prompt_token_ids=s.prompt_token_ids,
+                # a row verifying drafts is sampled as if the drafts before it were output already
+                output_token_ids=s.output_token_ids + prefix if prefix else s.output_token_ids,
+                generator=s.generator,
+                # a completed grammar allows only EOS: min_tokens must not ban it then
+                eos_token_ids=frozenset() if _grammar_completed(s) else s.eos_token_ids,
+            )
+            for s, prefix in zip(seqs, prefixes, strict=True)
+        ]
+        rewinds = {i: GeneratorRewind.take(e.seq.generator, e.seq.sampling_params, self.runner.vocab_size)
+                   for i, e in verifying.items()}
+        results = self.sampler(logits, states)
+        i = 0
+        while i < len(seqs):
+            seq = seqs[i]
+            request = self.requests[seq.request_id]
+            touched[request.request_id] = request
+            entry = verifying.get(i)
+            if i in off_grammar:  # its tokens left the grammar: end it rather than sample on
+                logger.warning("sequence %s left its grammar; finishing it", seq.seq_id)
+                self._finish(request, seq, SequenceStatus.FINISHED_ABORTED, now)
+            elif entry is None:
+                self._append_token(request, seq, results[i], now)
+            else:
+                self._verify(request, entry, results[i : i + 1 + entry.num_draft_tokens], rewinds[i], now)
+            i += 1 if entry is None else 1 + entry.num_draft_tokens
+        return touched
+
+    def _sampling_rows(self, out: SchedulerOutput, now: float) -> tuple[
+            list[int], list[Sequence], list[list[int]], dict[int, ScheduledSequence]]:
+        """Per row to sample: the logits row, the sequence, the drafts before it; and the entries verifying
+        drafts, by their first row (each has 1 + its drafts rows)."""
         rows: list[int] = []
         seqs: list[Sequence] = []
+        prefixes: list[list[int]] = []
+        verifying: dict[int, ScheduledSequence] = {}
         row = 0
         for e in out.scheduled:
             request = self.requests.get(e.seq.request_id)
@@ -261,39 +326,36 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = now
             if not e.completes_sequence:
                 continue
-            if request is not None:
+            if request is not None and e.num_draft_tokens:
+                verifying[len(seqs)] = e
+                for j in range(1 + e.num_draft_tokens):
+                    rows.append(row + j)
+                    seqs.append(e.seq)
+                    prefixes.append(e.draft_token_ids[:j])
+            elif request is not None:
                 for seq in self._sequences_to_sample(request, e.seq):
                     rows.append(row)
                     seqs.append(seq)
-            row += 1
-        if not seqs:
-            return touched
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, dtype=torch.long)]
-        off_grammar: set[int] = set()
-        if self._structured is not None and any(s.grammar is not None for s in seqs):
-            off_grammar = self._structured.mask(logits, seqs)
-        states = [
-            SamplingState(
-                params=s.sampling_params,
-                prompt_token_ids=s.prompt_token_ids,
-                output_token_ids=s.output_token_ids,
-                generator=s.generator,
-                # a completed grammar allows only EOS: min_tokens must not ban it then
-                eos_token_ids=frozenset() if _grammar_completed(s) else s.eos_token_ids,
-            )
-            for s in seqs
-        ]
-        results = self.sampler(logits, states)
-        for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
-            request = self.requests[seq.request_id]
-            if i in off_grammar:  # its tokens left the grammar: end it rather than sample on
-                logger.warning("sequence %s left its grammar; finishing it", seq.seq_id)
-                self._finish(request, seq, SequenceStatus.FINISHED_ABORTED, now)
-            else:
-                self._append_token(request, seq, result, now)
-            touched[request.request_id] = request
-        return touched
+                    prefixes.append([])
+            row += 1 + e.num_draft_tokens
+        return rows, seqs, prefixes, verifying
+
+    def _verify(self, request: Request, entry: ScheduledSequence, results: list[SampleResult],
+                rewind: GeneratorRewind | None, now: float) -> None:
+        """Emit the accepted drafts and the token after them, then give back what was not used: the rejected
+        drafts' KV slots and (seeded rows) the uniforms of the rows past the walk."""
+        seq = entry.seq
+
+        def append(j: int) -> bool:
+            self._append_token(request, seq, results[j], now)
+            return seq.is_finished()
+
+        used, accepted = emit([r.token_id for r in results], entry.draft_token_ids, append)
+        if rewind is not None:
+            rewind.keep(used)
+        assert self.speculator is not None
+        self.speculator.verified(entry, accepted)
+        self.scheduler.finish_drafts(entry, accepted)
 
     def _store_prompt_logprobs(self, out: SchedulerOutput, entries: list[SeqBatchEntry]) -> None:
         """The runner's prompt scores, by prompt position: a recomputed chunk (after a preemption)
@@ -318,6 +380,8 @@ class LLMEngine:
             self.runner.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             self.runner.copy_blocks(out.blocks_to_copy)
+            if self.speculator is not None and self.speculator.draft is not None:
+                self.speculator.draft.copy_blocks(out.blocks_to_copy)
 
     def _sequences_to_sample(self, request: Request, seq: Sequence) -> list[Sequence]:
         if request.forked or request.params.num_sequences == 1:
@@ -429,6 +493,7 @@ class LLMEngine:
     # ----------------------------------------------------------------- stats
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_stats()
+        spec = self.speculator.stats if self.speculator is not None else None
         return EngineStats(
             kv_cache_usage=kv.usage,
             kv_cache_token_usage=kv.token_usage,
@@ -444,6 +509,10 @@ class LLMEngine:
             kv_cache_waste=kv.waste,
             model_weight_bytes=self.loaded.weight_bytes,
             quantization=self.loaded.quantization,
+            spec_decode_num_drafts=spec.num_drafts if spec else 0,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.accepted_per_pos) if spec else (),
         )
 
     def warmup(self) -> None:

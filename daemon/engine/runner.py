@@ -63,6 +63,9 @@ class SeqBatchEntry:
     start_pos: int  # absolute position of token_ids[0] (== tokens of this seq already in the KV cache)
     block_table: list[int]  # the sequence's KV block ids, covering at least start_pos + len(token_ids) slots
     compute_logits: bool  # True when the last token of this chunk needs sampling
+    # with compute_logits, logits for this many positions at the chunk's end: 1 + its drafts for a
+    # sequence verifying drafts (each draft and the token after the last one are sampled)
+    num_logits: int = 1
     # prompt logprobs: the prompt token that follows each of the chunk's first len(...) positions;
     # the runner scores them (see ModelRunner.last_prompt_logprobs)
     prompt_targets: list[int] | None = None
@@ -337,7 +340,7 @@ class ModelRunner:
         block_tables = np.ascontiguousarray(table[:, : int(need.max())], dtype=np.int32)
 
         want = np.fromiter((e.compute_logits for e in entries), dtype=bool, count=n)
-        logit_rows = qsl[1:][want] - 1
+        logit_rows, row_entry = self._logit_rows(entries, want, qsl, q_lens)
 
         dev = self.device
         meta = AttentionMetadata(
@@ -352,12 +355,15 @@ class ModelRunner:
         pos = torch.from_numpy(positions).to(dev, non_blocking=True)
         output_rows = None
         if logit_rows.size < total and not any(e.prompt_targets for e in entries):
-            ctx_out = ctx[want]
+            # each row attends as a one-token query over its own causal context: a verified draft row
+            # sees the tokens up to itself, the last row of a chunk the whole context
+            ctx_out = positions[logit_rows] + 1
             output_rows = OutputRows(
                 rows=torch.from_numpy(logit_rows).to(dev, non_blocking=True),
                 meta=AttentionMetadata(
                     slot_mapping=torch.from_numpy(slots[logit_rows]).to(dev, non_blocking=True),
-                    block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[want])).to(dev, non_blocking=True),
+                    block_tables=torch.from_numpy(np.ascontiguousarray(block_tables[row_entry])).to(
+                        dev, non_blocking=True),
                     context_lens=torch.from_numpy(ctx_out.astype(np.int32)).to(dev, non_blocking=True),
                     query_start_loc=torch.arange(ctx_out.size + 1, dtype=torch.int32, device=dev),
                     max_query_len=1,
@@ -366,9 +372,27 @@ class ModelRunner:
             )
         return input_ids, pos, meta, logit_rows, output_rows
 
+    @staticmethod
+    def _logit_rows(entries: list[SeqBatchEntry], want: np.ndarray, qsl: np.ndarray,
+                    q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows whose logits are returned, in order (each wanted entry's last ``num_logits`` rows), and
+        the entry of each."""
+        counts = np.fromiter((e.num_logits if e.compute_logits else 0 for e in entries), dtype=np.int64,
+                             count=len(entries))
+        if ((counts > q_lens) | (want & (counts < 1))).any():
+            raise ValueError("num_logits must be in [1, len(token_ids)]")
+        entry_of_row = np.repeat(np.arange(len(entries)), counts)
+        if entry_of_row.size == int(want.sum()):  # one row per sampling entry: its last
+            return qsl[1:][want] - 1, entry_of_row
+        # row r of entry i: its end minus the rows after r (counts[i] - 1 down to 0)
+        first = np.cumsum(counts) - counts
+        back = counts[entry_of_row] - 1 - (np.arange(entry_of_row.size) - first[entry_of_row])
+        return qsl[1:][entry_of_row] - 1 - back, entry_of_row
+
     @torch.inference_mode()
     def execute(self, entries: list[SeqBatchEntry]) -> torch.Tensor:
-        """One forward pass over all entries; float32 logits ``[entries with compute_logits, vocab]`` in order."""
+        """One forward pass over all entries; float32 logits ``[rows, vocab]``: for each entry with
+        compute_logits, in order, its last ``num_logits`` positions."""
         if not self.k_caches:
             raise RuntimeError("init_kv_cache must run before execute")
         if not entries:

@@ -9,6 +9,12 @@ preempted (recompute: drop its blocks; swap: move them to the CPU pool).
 
 The scheduler owns the KV cache manager and only asks it yes/no questions: how much of a sequence
 is cached (`get_computed_blocks`) and whether it can have room for n more tokens (`allocate_slots`).
+
+Speculative decoding: a decoding sequence may carry `num_draft_tokens` (set by the engine before the
+step). Its entry then computes its last token plus that many drafts: the drafts count against the
+token budget (cut to what is left of it) and get KV slots. After verification `finish_drafts` counts
+the accepted drafts as computed and rolls the slots of the rejected ones back (`rollback_slots`); the
+prefix cache only ever sees computed, verified tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class KVManager(Protocol):
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]: ...
     def can_swap_in(self, seq: Sequence) -> bool: ...
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]: ...
+    def rollback_slots(self, seq: Sequence, num_tokens: int) -> None: ...
     def take_pending_copies(self) -> list[tuple[int, int]]: ...
     def reset_prefix_cache(self) -> None: ...
     def stats(self) -> KVStats: ...
@@ -47,14 +54,31 @@ class KVManager(Protocol):
 @dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # slots this step writes: the sequence's own tokens plus its drafts
     start_pos: int  # == num_computed_tokens when scheduled
     block_table: list[int]
+    # Drafts verified after the sequence's last token: the scheduler reserves `num_draft_tokens` of them;
+    # the engine's proposer fills `draft_token_ids` (at most that many) before the forward pass.
+    num_draft_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_verified_new(self) -> int:
+        """The sequence's own (verified) tokens among this step's new ones."""
+        return self.num_new_tokens - self.num_draft_tokens
 
     @property
     def completes_sequence(self) -> bool:
         """True when this chunk reaches the last known token, so the step must sample."""
-        return self.start_pos + self.num_new_tokens == self.seq.num_tokens
+        return self.start_pos + self.num_verified_new == self.seq.num_tokens
+
+    def set_drafts(self, token_ids: list[int]) -> None:
+        """The proposed drafts (at most the reserved number; the unused slots are rolled back after the step)."""
+        if len(token_ids) > self.num_draft_tokens:
+            raise ValueError(f"{len(token_ids)} drafts for {self.num_draft_tokens} reserved slots")
+        self.num_new_tokens -= self.num_draft_tokens - len(token_ids)
+        self.num_draft_tokens = len(token_ids)
+        self.draft_token_ids = list(token_ids)
 
 
 @dataclass
@@ -199,14 +223,20 @@ class Scheduler:
             if num_new <= 0:
                 idx += 1
                 continue
-            while allocate(seq, num_new) is None:
-                victim = running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break  # it preempted itself: nothing behind it can run either
-            scheduled.append(ScheduledSequence(seq, num_new, start, tables(seq)))
+            num_draft = 0
+            if seq.num_draft_tokens and num_new == len(seq.all_token_ids) - start == 1:
+                num_draft = min(seq.num_draft_tokens, budget - 1)  # drafts spend the budget too
+            if not (num_draft and allocate(seq, num_new + num_draft) is not None):
+                num_draft = 0  # no room for drafts: nobody is preempted for them
+                while allocate(seq, num_new) is None:
+                    victim = running[-1]
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    break  # it preempted itself: nothing behind it can run either
+            num_new += num_draft
+            scheduled.append(ScheduledSequence(seq, num_new, start, tables(seq), num_draft))
             budget -= num_new
             idx += 1
         return budget
@@ -241,6 +271,7 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
+        victim.num_draft_tokens = 0  # its drafts were for the step it no longer takes part in
         # A victim scheduled earlier in this step loses its slot in the batch.
         for i, entry in enumerate(out.scheduled):
             if entry.seq is victim:
@@ -266,5 +297,17 @@ class Scheduler:
             seq = entry.seq
             if seq.status != SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += entry.num_new_tokens
+            seq.num_computed_tokens += entry.num_verified_new  # drafts count once verified (finish_drafts)
             cache_blocks(seq, seq.num_computed_tokens)
+
+    def finish_drafts(self, entry: ScheduledSequence, num_accepted: int) -> None:
+        """After sampling: the first `num_accepted` drafts were verified (and appended to the sequence);
+        their slots hold good K/V. The slots past them go back to the pool."""
+        seq = entry.seq
+        if seq.status != SequenceStatus.RUNNING or seq.seq_id not in self.sequences:
+            return  # finished (its blocks are already free) or preempted meanwhile
+        if not 0 <= num_accepted <= entry.num_draft_tokens:
+            raise ValueError(f"{num_accepted} accepted of {entry.num_draft_tokens} drafts")
+        seq.num_computed_tokens += num_accepted
+        self.kv_manager.rollback_slots(seq, seq.num_computed_tokens)
+        self.kv_manager.cache_blocks(seq, seq.num_computed_tokens)

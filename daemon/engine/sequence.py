@@ -71,6 +71,10 @@ class Sequence:
     # Structured outputs: the compiled grammar once ready, and this sequence's matcher (made lazily).
     grammar: Any = None
     matcher: Any = None
+    # Speculative decoding: drafts the engine plans to verify in the coming step (the scheduler reserves
+    # budget and slots for them), and this sequence's acceptance rule (spec_decode.policy.AcceptanceGate).
+    num_draft_tokens: int = 0
+    spec_gate: Any = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

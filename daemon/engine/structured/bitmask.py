@@ -19,10 +19,17 @@ class BatchMasker:
         self.width = width
         self._bitmask = xgr.allocate_token_bitmask(1, width)
 
-    def _rows_buffer(self, rows: int) -> torch.Tensor:
+    def rows_buffer(self, rows: int) -> torch.Tensor:
+        """The kept bitmask, with at least ``rows`` rows (for callers that fill rows themselves)."""
         if self._bitmask.shape[0] < rows:
             self._bitmask = xgr.allocate_token_bitmask(max(rows, 2 * self._bitmask.shape[0]), self.width)
         return self._bitmask[:rows]
+
+    def apply_filled(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Mask the given rows of logits with the rows of the kept bitmask that the caller filled."""
+        if logits.dim() != 2 or logits.shape[1] != self.width:
+            raise ValueError(f"logits must be [rows, {self.width}], got {tuple(logits.shape)}")
+        apply_token_bitmask(logits, rows, self._bitmask[: logits.shape[0]])
 
     def apply(self, logits: torch.Tensor, rows: list[int], matchers: list[SequenceMatcher]) -> list[int]:
         """Mask logits[rows[i]] with matchers[i]'s allowed tokens, in place. Returns the rows masked
@@ -31,7 +38,7 @@ class BatchMasker:
             raise ValueError(f"logits must be [rows, {self.width}], got {tuple(logits.shape)}")
         if not rows:
             return []
-        bitmask = self._rows_buffer(logits.shape[0])
+        bitmask = self.rows_buffer(logits.shape[0])
         masked = [r for r, m in zip(rows, matchers, strict=True) if m.fill_bitmask(bitmask, r)]
         if masked:
             apply_token_bitmask(logits, masked, bitmask)

@@ -60,13 +60,18 @@ class StructuredOutputs:
             seq.matcher = SequenceMatcher(seq.grammar, self.stop_token_ids)
         return seq.matcher
 
-    def mask(self, logits: torch.Tensor, seqs: list[Any]) -> set[int]:
+    def mask(self, logits: torch.Tensor, seqs: list[Any], prefixes: list[list[int]] | None = None) -> set[int]:
         """Mask row i of logits for each constrained seqs[i], in place, after syncing its matcher to
         its output tokens (a preempted sequence rolls back or replays). Returns the rows whose
-        output left the grammar: the engine finishes those sequences instead of sampling them."""
+        output left the grammar: the engine finishes those sequences instead of sampling them.
+
+        ``prefixes[i]`` (speculative decoding): row i is the distribution after the output plus these draft
+        tokens; the matcher advances over them for the row's mask and rolls back after. A row whose prefix
+        the grammar refuses is left unmasked: the row before it cannot sample that draft, so the
+        verification never reaches it."""
         rows: list[int] = []
-        matchers: list[SequenceMatcher] = []
         failed: set[int] = set()
+        bitmask = self.masker.rows_buffer(logits.shape[0])
         for i, seq in enumerate(seqs):
             if seq.grammar is None:
                 continue
@@ -74,8 +79,11 @@ class StructuredOutputs:
             if not m.sync(seq.output_token_ids):
                 failed.add(i)
                 continue
-            rows.append(i)
-            matchers.append(m)
+            prefix = prefixes[i] if prefixes is not None else ()
+            advanced = m.try_advance(list(prefix)) if prefix else 0
+            if advanced == len(prefix) and m.fill_bitmask(bitmask, i):
+                rows.append(i)
+            m.rollback(advanced)
         if rows:
-            self.masker.apply(logits, rows, matchers)
+            self.masker.apply_filled(logits, rows)
         return failed

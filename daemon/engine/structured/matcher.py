@@ -48,6 +48,19 @@ class SequenceMatcher:
         self.accepted.append(token_id)
         return True
 
+    def try_advance(self, token_ids: list[int]) -> int:
+        """Accept the longest prefix of token_ids the grammar allows (speculative drafts); returns its length.
+        A refused token leaves the state as it was and `failed` unset: the caller rolls the prefix back."""
+        if self.failed:
+            return 0
+        n = 0
+        for tok in token_ids:
+            if not self._m.accept_token(tok):
+                break
+            self.accepted.append(tok)
+            n += 1
+        return n
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last num_tokens accepted tokens (preemption, speculative rejection)."""
         num_tokens = min(num_tokens, len(self.accepted))
