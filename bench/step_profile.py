@@ -362,7 +362,7 @@ def main() -> None:
     repeat = 1 if args.quick else args.repeat
     bs = 16
     blocks = max(256 * -(-(args.context + 1) // bs), 2 * 2048 // bs) + 8
-    llm = LLM(model=MODEL, dtype=args.dtype, num_kv_blocks=blocks, max_num_seqs=256, max_num_batched_tokens=2048,
+    llm = LLM(model=MODEL, dtype=args.dtype, quantization="none", num_kv_blocks=blocks, max_num_seqs=256, max_num_batched_tokens=2048,
               enable_prefix_caching=False)
     # the cache's pages are mapped in on a background thread: profiling beside it timed that thread's
     # page faults too (a decode step of 96 at 728 ms against about 205 ms in a real run)

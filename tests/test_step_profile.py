@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvpilot.daemon.engine import LLM
@@ -13,6 +14,12 @@ from kvpilot.daemon.engine.models import decoder
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from step_profile import RUN_CATEGORIES, decode_entries, prefill_entries, profile_run, profile_shape  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """The float model the profiler times (its GEMM kinds are the float layers' weights)."""
+    return LLM(model="builtin://smollm2-135m", dtype="float32", num_kv_blocks=256, quantization="none")
 
 
 def test_profiles_decode_and_prefill_and_restores_the_model(llm: LLM) -> None:
