@@ -64,10 +64,7 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     scale_b = weight_scale.float().reshape(1, -1).contiguous()
     # torch's fp8 GEMM is only public under this name (vLLM and torchao call it so)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_b, out_dtype=torch.bfloat16)  # noqa: SLF001
-    y = y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-    if bias is not None:
-        y = y + bias
-    return y if residual is None else residual + y
+    return reference.finish_linear(y, x, bias, residual)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "quantize", "quantize_weight", "dequantize", "linear",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "MIN_SCALE", "quantize", "quantize_weight", "dequantize", "linear", "finish_linear",
            "block_linear"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -61,7 +61,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tenso
     return (weight.float() * s).to(dtype)
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+def finish_linear(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
             residual: torch.Tensor | None) -> torch.Tensor:
     """The float32 product ``[M, N]`` rounded to ``x``'s dtype and shape, then bias and residual added."""
     y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -78,7 +78,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize(x2, input_scale)
     y = (xq.float() @ weight.float().T) * xs * weight_scale.float().reshape(1, -1)
-    return _finish(y, x, bias, residual)
+    return finish_linear(y, x, bias, residual)
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor | None,
@@ -87,4 +87,4 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sca
     """``residual + x @ W.T + bias`` for the dequantized block-scaled ``W``; ``x`` as it is."""
     w = dequantize(weight, scale, scale_row, block_k)
     y = x.reshape(-1, x.shape[-1]).float() @ w.T
-    return _finish(y, x, bias, residual)
+    return finish_linear(y, x, bias, residual)
