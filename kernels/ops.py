@@ -40,6 +40,7 @@ from . import settings as _settings
 from .cpu_native import available as native_available
 from .cpu_native import greedy_stats, pack_panels, panel_gemm, panel_gemm_max_rows, rms_norm, rope_, silu_mul
 from .lazy import LazyModule
+from .lora import LoRASegments, lora_shrink_expand
 from .settings import KernelSettings, current
 
 __all__ = [
@@ -75,6 +76,8 @@ __all__ = [
     "gguf_dequantize",
     "gguf_linear",
     "gguf_embedding",
+    "LoRASegments",
+    "lora_shrink_expand",
 ]
 
 _TRITON = LazyModule("triton_kernels")

@@ -77,6 +77,16 @@ class EngineConfig:
                 "disable_by_batch_size (no speculation above this many running sequences; default 8). "
                 "E.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'. Exact: the output "
                 "distribution is the model's own"})
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT format) beside the base model: a batch mixes the base and up to "
+                "max_loras adapters"})
+    max_loras: int = field(default=1, metadata={
+        "help": "adapters in one batch at most; requests for others wait until a slot frees"})
+    max_lora_rank: int = field(default=16, metadata={
+        "help": "the largest adapter rank the engine loads (its device slots are sized for it)"})
+    max_cpu_loras: int | None = field(default=None, metadata={
+        "help": "adapters kept loaded in host memory, least recently used evicted first (default: max_loras; "
+                "at least max_loras)"})
     # kernel and host choices: resolved once at engine start (the kernels' KernelSettings, the runner's
     # threads and memory), never read per step
     attention_backend: str = field(default="auto", metadata={
@@ -135,17 +145,31 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("enforce_eager", "cpu_kernel", "prepack_weights", "malloc_tuning", "populate_kv"):
+        for name in ("enforce_eager", "cpu_kernel", "prepack_weights", "malloc_tuning", "populate_kv",
+                     "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.small_batch_gemm is not None and not isinstance(self.small_batch_gemm, bool):
             raise ValueError(f"small_batch_gemm must be true, false or None (auto), got {self.small_batch_gemm!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and (isinstance(self.max_cpu_loras, bool) or not isinstance(
+                self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
         if isinstance(self.speculative_config, str):  # its JSON, as `--speculative-config` takes it
             self.speculative_config = speculative_config_json(self.speculative_config)
         parse_speculative_config(self.speculative_config)  # a bad one fails here, naming the key
         if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(
                 self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
+
+    @property
+    def cpu_loras(self) -> int:
+        """Adapters the host-side LRU keeps: ``max_cpu_loras``, else ``max_loras``."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

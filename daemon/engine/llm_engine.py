@@ -53,6 +53,10 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # LoRA (vllm:lora_requests_info): max_loras (0 without enable_lora) and the adapters' names
+    max_loras: int = 0
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
 
 
 def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | None:

@@ -23,6 +23,7 @@ from kvpilot.kernels import ops as kernels
 from . import cuda_graphs, host_malloc
 from .config import EngineConfig
 from .loader import LoadedModel
+from .lora.request import LoRARequest
 from .models import AttentionMetadata, OutputRows
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class SeqBatchEntry:
     # the runner scores them (see ModelRunner.last_prompt_logprobs)
     prompt_targets: list[int] | None = None
     prompt_top_k: int = 0
+    lora_request: LoRARequest | None = None  # the entry's adapter (None: the base model)
 
 
 @dataclass

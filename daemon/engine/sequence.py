@@ -11,6 +11,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .detokenizer import TextStream
+    from .lora.request import LoRARequest
     from .outputs import Logprob
 
 
@@ -54,6 +55,7 @@ class Sequence:
     priority: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None  # mixed into the first block's hash: no cache sharing across salts
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     request_id: str = ""
     index: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
