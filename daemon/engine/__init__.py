@@ -15,6 +15,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "LoRARequest",
 ]
 
 
@@ -28,4 +29,8 @@ def __getattr__(name: str):
         from . import llm_engine
 
         return getattr(llm_engine, name)
+    if name == "LoRARequest":
+        from .lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

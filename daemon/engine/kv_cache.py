@@ -253,8 +253,9 @@ class KVCacheManager:
         while len(table.hashes) < upto_tokens // bs:
             i = len(table.hashes)
             parent = table.hashes[-1] if table.hashes else None
-            # The salt goes into the first block only; the chain carries it into every later block.
-            extra = (seq.cache_salt,) if i == 0 and seq.cache_salt is not None else ()
+            # The salt and the adapter go into the first block only; the chain carries them into every later block.
+            extra = ((seq.cache_salt,) if seq.cache_salt is not None else ()) + (
+                seq.lora_request.cache_key if seq.lora_request is not None else ()) if i == 0 else ()
             table.hashes.append(hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], extra))
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[Block], int]:

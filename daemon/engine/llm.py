@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
+from .lora import LoRARequest
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -53,8 +54,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; ``lora_request``: one adapter for all of them, or one (or None, the
+        base model) per prompt."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -72,6 +76,12 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts; pass one or one per prompt")
         for p in params_list:
             if p.use_beam_search:
                 raise ValueError("use_beam_search: call LLM.beam_search with BeamSearchParams")
@@ -80,7 +90,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0,
+                                        lora_request=loras[i])
                 ids.append(rid)
         except ValueError:
             self.engine.abort_request(ids)  # all-or-nothing: never leave half a batch running
@@ -110,13 +121,14 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None

@@ -14,6 +14,7 @@ from .config import EngineConfig
 from .detokenizer import TextStream
 from .input_processor import InputLimits, InputProcessor
 from .loader import LoadedModel, load_model
+from .lora import LoRAAdapterError, LoRANotEnabled, LoRARequest
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .request import Request
 from .runner import ModelRunner, SeqBatchEntry
@@ -69,6 +70,10 @@ def _prompt_targets(seq: Sequence, start: int, num_tokens: int) -> list[int] | N
     return prompt[start + 1 : end + 1] if end > start else None
 
 
+def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(s.lora_request.lora_name for s in seqs if s.lora_request is not None))
+
+
 def _grammar_completed(seq: Sequence) -> bool:
     """The sequence's output so far completes its grammar (only a stop token may follow)."""
     return seq.matcher is not None and not seq.matcher.failed and seq.matcher.is_completed()
@@ -104,6 +109,11 @@ class LLMEngine:
             from .spec_decode.speculator import make_speculator
 
             self.speculator = make_speculator(self.config, self.loaded, self.runner, self.max_model_len)
+        if self.config.enable_lora:
+            from .lora.manager import LoRAManager
+
+            self.runner.lora = LoRAManager(self.config, self.loaded.model, dtype=self.loaded.dtype,
+                                           device=self.loaded.device)
         self.sampler = Sampler()
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, InputLimits(self.max_model_len, self.vocab_size))
@@ -125,8 +135,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. `cache_salt` keeps its prefix-cache entries apart from other salts' (tenants)."""
+        """Queue a request. `cache_salt` keeps its prefix-cache entries apart from other salts' (tenants);
+        `lora_request` runs it with that adapter (read from its folder now, unless loaded: a bad one is a
+        LoRAAdapterError and nothing is queued)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -136,6 +149,8 @@ class LLMEngine:
             raise ValueError("cache_salt must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if params.prompt_logprobs is not None:
             # a cached prefix has no logits to score: a salt of its own keeps this prompt out of the
             # prefix cache, as vLLM does for prompt_logprobs requests
@@ -160,6 +175,7 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.loaded.eos_token_ids,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
         request.seqs.append(self._init_sequence(request, seq, 0))
         if params.prompt_logprobs is not None:  # the parent scores the prompt; forks share it
@@ -193,6 +209,50 @@ class LLMEngine:
             if held is not None:
                 held.status = SequenceStatus.FINISHED_ABORTED
 
+    # ----------------------------------------------------------------- adapters (vLLM's names)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter and keep it in the host cache (LoRAAdapterError: nothing is kept)."""
+        if self.runner.lora is None:
+            raise LoRANotEnabled("LoRA adapters need an engine started with enable_lora", param="lora_request")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        self.runner.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False when none with that id is loaded. Its running requests finish (they read
+        it again should it be needed)."""
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.runner.lora is None else self.runner.lora.list_ids()
+
+    def _drop_unreadable_adapters(self, out: SchedulerOutput) -> list[Request]:
+        """Before a step: re-read the adapters its sequences need that left the host cache; a sequence whose
+        adapter can no longer be read (its files removed since) ends aborted, its request returned."""
+        lora = self.runner.lora
+        assert lora is not None
+        bad: set[LoRARequest] = set()
+        for e in out.scheduled:
+            req = e.seq.lora_request
+            if req is None or req in bad or lora.holds(req):
+                continue
+            try:
+                lora.add(req)
+            except LoRAAdapterError as exc:
+                logger.warning("%s; its requests are aborted", exc)
+                bad.add(req)
+        if not bad:
+            return []
+        failed: dict[str, Request] = {}
+        for e in [e for e in out.scheduled if e.seq.lora_request in bad]:
+            out.scheduled.remove(e)
+            request = self.requests.get(e.seq.request_id)
+            if request is not None and not e.seq.is_finished():
+                self._finish(request, e.seq, SequenceStatus.FINISHED_ABORTED, time.monotonic())
+                failed[request.request_id] = request
+        return list(failed.values())
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -208,6 +268,8 @@ class LLMEngine:
         self._apply_block_moves(out)
         for seq in out.preempted:
             logger.debug("preempted %s (%s)", seq.seq_id, seq.status.value)
+        if self.runner.lora is not None:
+            failed += self._drop_unreadable_adapters(out)
         if self.speculator is not None:
             self.speculator.forget(out.preempted)
             self.speculator.propose(out.scheduled)
@@ -218,6 +280,7 @@ class LLMEngine:
         entries = [
             SeqBatchEntry(
                 token_ids=e.seq.all_token_ids[e.start_pos : e.start_pos + e.num_verified_new] + e.draft_token_ids,
+                lora_request=e.seq.lora_request,
                 start_pos=e.start_pos,
                 block_table=e.block_table,
                 compute_logits=e.completes_sequence,
@@ -401,6 +464,7 @@ class LLMEngine:
                 priority=seq.priority,
                 eos_token_ids=seq.eos_token_ids,
                 cache_salt=seq.cache_salt,
+                lora_request=seq.lora_request,
             )
             request.seqs.append(self._init_sequence(request, child, index))
             child.grammar = seq.grammar  # each child walks the grammar on its own
@@ -517,6 +581,9 @@ class LLMEngine:
             spec_decode_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_decode_num_accepted_tokens_per_pos=tuple(spec.accepted_per_pos) if spec else (),
+            max_loras=self.config.max_loras if self.runner.lora is not None else 0,
+            lora_running=_adapter_names(self.scheduler.running),
+            lora_waiting=_adapter_names(self.scheduler.waiting),
         )
 
     def warmup(self) -> None:

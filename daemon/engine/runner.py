@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,7 +25,10 @@ from . import cuda_graphs, host_malloc
 from .config import EngineConfig
 from .loader import LoadedModel
 from .lora.request import LoRARequest
-from .models import AttentionMetadata, OutputRows
+
+if TYPE_CHECKING:
+    from .lora.manager import LoRAManager
+from .models import AttentionMetadata, LoRABatch, OutputRows
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +151,7 @@ class ModelRunner:
         self.warmed_up = False
         self.kv_population: host_malloc.PagePopulation | None = None  # maps the CPU KV cache in (init_kv_cache)
         self.last_prompt_logprobs: dict[int, PromptLogprobs] = {}  # of the latest execute()
+        self.lora: LoRAManager | None = None  # the adapters' slots, set by the engine with enable_lora
         self._ensure_threads()
 
     def _ensure_threads(self) -> None:
@@ -299,10 +304,10 @@ class ModelRunner:
 
     def _prepare(
         self, entries: list[SeqBatchEntry]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray, OutputRows | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray, OutputRows | None, LoRABatch | None]:
         """Flatten the batch: ids, positions, metadata, the rows whose logits are wanted and, where those
         are not all the rows and no entry scores its prompt (which needs every row), them as ``OutputRows``
-        for the model's last layer."""
+        for the model's last layer; and the rows' adapters when any entry has one."""
         n = len(entries)
         bs = self.block_size
         q_lens = np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n)
@@ -372,7 +377,11 @@ class ModelRunner:
                     max_context_len=int(ctx_out.max()) if ctx_out.size else 1,
                 ),
             )
-        return input_ids, pos, meta, logit_rows, output_rows
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.batch([e.lora_request for e in entries], q_lens,
+                                   None if output_rows is None else row_entry)
+        return input_ids, pos, meta, logit_rows, output_rows, lora
 
     @staticmethod
     def _logit_rows(entries: list[SeqBatchEntry], want: np.ndarray, qsl: np.ndarray,
@@ -400,12 +409,13 @@ class ModelRunner:
         if not entries:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         self._ensure_threads()
-        input_ids, positions, meta, rows, output_rows = self._prepare(entries)
+        input_ids, positions, meta, rows, output_rows, lora = self._prepare(entries)
         hidden = None
-        if self._graphs is not None and output_rows is None and meta.max_query_len == 1:
+        if self._graphs is not None and output_rows is None and meta.max_query_len == 1 and lora is None:
             hidden = self._graphs.run(input_ids, positions, meta)  # None: no bucket fits, run eagerly
-        if hidden is None:
-            hidden = self.model(input_ids, positions, meta, output_rows)  # with output_rows: those rows only
+        if hidden is None:  # with output_rows: those rows only
+            hidden = self.model(input_ids, positions, meta, output_rows, lora) if lora is not None \
+                else self.model(input_ids, positions, meta, output_rows)
         self.last_prompt_logprobs = self._prompt_logprobs(entries, hidden)  # none asked when output_rows is set
         if output_rows is None and rows.size != hidden.shape[0]:  # every row came back: keep the sampled ones
             hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))

@@ -5,7 +5,8 @@ are served first in policy order; then waiting sequences are admitted while budg
 and KV blocks last. With `long_prefill_token_threshold` set, a step that decodes gives each prompt
 chunk at most that many tokens: the step's length, which every running stream waits for, stays
 short. When a running sequence cannot get a block, the least important running sequence is
-preempted (recompute: drop its blocks; swap: move them to the CPU pool).
+preempted (recompute: drop its blocks; swap: move them to the CPU pool). With LoRA, a step mixes at
+most `max_loras` adapters: a waiting sequence of another adapter is passed over until one's sequences end.
 
 The scheduler owns the KV cache manager and only asks it yes/no questions: how much of a sequence
 is cached (`get_computed_blocks`) and whether it can have room for n more tokens (`allocate_slots`).
@@ -243,8 +244,16 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, chunk_cap: int) -> int:
         kv = self.kv_manager
+        # a step mixes at most max_loras adapters: a sequence of another one waits, and those behind it may go
+        adapters = {s.lora_request.lora_int_id for s in self.running if s.lora_request is not None} \
+            if self.config.enable_lora else set()
+        passed_over: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            lora = seq.lora_request
+            if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             computed_blocks: list = []
             num_cached = 0
             swapped = kv.is_swapped(seq)
@@ -265,8 +274,11 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             out.scheduled.append(ScheduledSequence(seq, num_new, seq.num_computed_tokens, kv.block_ids(seq)))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))  # back in front, in their order
         return budget
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:

@@ -18,10 +18,10 @@ from .archs import (
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
 )
-from .base import AttentionMetadata, OutputRows
+from .base import AttentionMetadata, LoRABatch, OutputRows
 from .decoder import text_config
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "OutputRows", "MODEL_REGISTRY", "get_model_class",
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "LoRABatch", "OutputRows", "MODEL_REGISTRY", "get_model_class",
            "text_config"]
 
 # HF class names in config.json "architectures" -> our implementation

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.kernels.lora import LoRASegments
+
 
 @dataclass
 class AttentionMetadata:
@@ -34,3 +36,12 @@ class OutputRows:
 
     rows: torch.Tensor  # int64 [R]: indices into the step's T rows, in output order
     meta: AttentionMetadata  # R one-token queries
+
+
+@dataclass
+class LoRABatch:
+    """The adapter slot of each row of a step that mixes adapters (see lora/): ``rows`` for the step's T rows,
+    ``output_rows`` for the R rows of ``OutputRows`` when the last layer computes only those."""
+
+    rows: LoRASegments
+    output_rows: LoRASegments | None = None

@@ -24,7 +24,7 @@ from torch import nn
 from kvpilot.kernels import ops
 
 from ..host_malloc import row_slices
-from .base import AttentionMetadata, OutputRows
+from .base import AttentionMetadata, LoRABatch, OutputRows
 from .linear import Linear, keep_panels, linear, prepack, prepack_supported, small_batch_rows
 from .moe import MoEBlock
 from .parallel import SINGLE, ParallelContext
@@ -152,13 +152,16 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         output_rows: OutputRows | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """``[T, hidden]`` → ``[T, hidden]``, or ``[R, hidden]`` for ``output_rows`` (K/V of all T rows are stored)."""
+        """``[T, hidden]`` → ``[T, hidden]``, or ``[R, hidden]`` for ``output_rows`` (K/V of all T rows are stored);
+        ``lora``: the rows' adapters."""
         t = x.shape[0]
         nh, nkv, hd = self.local_heads, self.local_kv_heads, self.head_dim
+        segs = None if lora is None else lora.rows
 
         # attention
-        qkv = self.qkv_proj(x if self.input_norm is None else _rms_norm(x, self.input_norm, self.eps))
+        qkv = self.qkv_proj(x if self.input_norm is None else _rms_norm(x, self.input_norm, self.eps), lora=segs)
         # q and k heads rotated together: one RoPE pass
         qk = rotate(self._qk_rows(qkv, t), t, nh + nkv, hd, cos, sin)
         q, k = qk[:, :nh], qk[:, nh:]
@@ -167,6 +170,7 @@ class DecoderLayer(nn.Module):
         if output_rows is not None:  # the rest only for the rows that are used
             x, q, meta = x.index_select(0, output_rows.rows), q.index_select(0, output_rows.rows), output_rows.meta
             t = x.shape[0]
+            segs = None if lora is None else lora.output_rows
             if t == 0:
                 return x
         o = ops.paged_attention(
@@ -184,9 +188,9 @@ class DecoderLayer(nn.Module):
             **self.attn_kwargs,
         )
         if self.post_attn_norm is None:  # pre-norm: the residual add fused into the GEMM
-            h = self.o_proj(o.reshape(t, nh * hd), residual=x)
+            h = self.o_proj(o.reshape(t, nh * hd), residual=x, lora=segs)
         else:
-            h = x + _rms_norm(self.o_proj(o.reshape(t, nh * hd)), self.post_attn_norm, self.eps)
+            h = x + _rms_norm(self.o_proj(o.reshape(t, nh * hd), lora=segs), self.post_attn_norm, self.eps)
 
         # the MLP, on the CPU in slices of rows whose gate|up output stays within malloc's reach: a larger
         # one is a fresh mapping that faults in on every step (a 1B-class model faulted on every 2048-token
@@ -194,8 +198,9 @@ class DecoderLayer(nn.Module):
         row_bytes = 2 * self.local_inter * h.element_size() if self.moe is None else self.moe.row_bytes(h.element_size())
         slices = row_slices(t, row_bytes) if h.device.type == "cpu" else None
         if slices is None:
-            return self._mlp(h)
-        return torch.cat([self._mlp(h[rows]) for rows in slices])
+            return self._mlp(h, segs)
+        return torch.cat([self._mlp(h[rows], None if segs is None else segs.narrow(rows.start, rows.stop))
+                          for rows in slices])
 
     def _qk_rows(self, qkv: torch.Tensor, t: int) -> torch.Tensor:
         """The q|k rows ``[t, (nh + nkv) * hd]`` of ``qkv``, RMS-normed first where the spec says so."""
@@ -210,18 +215,18 @@ class DecoderLayer(nn.Module):
             q, k = _rms_norm(q, self.q_norm, self.eps), _rms_norm(k, self.k_norm, self.eps)
         return torch.cat((q, k), dim=1)  # a fresh tensor: RoPE rotates it in place
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, lora: ops.LoRASegments | None = None) -> torch.Tensor:
         """``h`` plus the MLP of ``h``, with the norms the spec places around it."""
         x = h if self.pre_mlp_norm is None else _rms_norm(h, self.pre_mlp_norm, self.eps)
         if self.moe is not None:
             y = self.moe(x)
             return h + (y if self.post_mlp_norm is None else _rms_norm(y, self.post_mlp_norm, self.eps))
         assert self.gate_up_proj is not None and self.down_proj is not None
-        gu = self.gate_up_proj(x)
+        gu = self.gate_up_proj(x, lora=lora)
         act = self._activation(gu)
         if self.post_mlp_norm is None:
-            return self.down_proj(act, residual=h)
-        return h + _rms_norm(self.down_proj(act), self.post_mlp_norm, self.eps)
+            return self.down_proj(act, residual=h, lora=lora)
+        return h + _rms_norm(self.down_proj(act, lora=lora), self.post_mlp_norm, self.eps)
 
     def _activation(self, gu: torch.Tensor) -> torch.Tensor:
         if self.spec.activation == "silu":
@@ -328,9 +333,10 @@ class DecoderForCausalLM(nn.Module):
         self.k_caches, self.v_caches = list(k_caches), list(v_caches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata,
-                output_rows: OutputRows | None = None) -> torch.Tensor:
+                output_rows: OutputRows | None = None, lora: LoRABatch | None = None) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` → final-normed hidden states ``[T, hidden]``, or only those of
-        ``output_rows`` (``[R, hidden]``), which the last layer then computes alone."""
+        ``output_rows`` (``[R, hidden]``), which the last layer then computes alone; ``lora``: the rows'
+        adapters, when the step has any."""
         if not self.k_caches:
             raise RuntimeError("KV caches are not bound; call bind_kv_caches first")
         x = F.embedding(input_ids, self.embed_tokens) if self.embed_layer is None \
@@ -345,7 +351,7 @@ class DecoderForCausalLM(nn.Module):
         last = self.num_layers - 1
         for i, (layer, kc, vc) in enumerate(zip(self.layers, self.k_caches, self.v_caches, strict=True)):
             cos, sin = tables[layer.rope_index]
-            x = layer(x, cos, sin, attn_meta, kc, vc, output_rows if i == last else None)
+            x = layer(x, cos, sin, attn_meta, kc, vc, output_rows if i == last else None, lora)
         return _rms_norm(x, self.norm, self.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from .parallel import SINGLE, ParallelContext
 from .quantization import ShardSlice, get_quant_method
 
 if TYPE_CHECKING:
+    from ..lora.layers import LoRASlots
     from .quantization import QuantMethod
 
 __all__ = ["Linear", "Split", "linear", "prepack_supported", "prepack", "keep_panels", "small_batch_rows"]
@@ -133,6 +134,7 @@ class Linear(nn.Module):
         bias_rows = self.out_features if split == "row" else self.out_per_rank
         self.bias = nn.Parameter(torch.empty(bias_rows, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
+        self.lora: LoRASlots | None = None  # the adapters' slots, when the engine serves LoRA (lora/manager.py)
 
     # -- constructors, one per split
 
@@ -209,11 +211,17 @@ class Linear(nn.Module):
 
     # -- running
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual + x @ W.T + bias``; for a row split over several ranks, summed over them first."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                lora: ops.LoRASegments | None = None) -> torch.Tensor:
+        """``residual + x @ W.T + bias``; for a row split over several ranks, summed over them first. With
+        ``lora`` (the rows' adapter slots), each row's adapter update is added too."""
         if self.split != "row" or self.parallel.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias, residual)
-        y = self.parallel.all_reduce(self.quant_method.apply(self, x, None, None))
-        if self.bias is not None:
-            y = y + self.bias
-        return y if residual is None else residual + y
+            y = self.quant_method.apply(self, x, self.bias, residual)
+        else:
+            y = self.parallel.all_reduce(self.quant_method.apply(self, x, None, None))
+            if self.bias is not None:
+                y = y + self.bias
+            y = y if residual is None else residual + y
+        if lora is not None and self.lora is not None:
+            self.lora.apply(y, x, lora)
+        return y
