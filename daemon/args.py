@@ -21,6 +21,7 @@ from kvpilot import sizes
 
 from .engine.config import DEFAULT_MODEL, EngineConfig
 from .engine.spec_decode.config import speculative_config_json
+from .lora_modules import LoRAModulePath, parse_lora_module, parse_lora_modules_env
 
 __all__ = ["DEFAULT_MODEL", "ServeArgs", "add_serve_arguments", "parse_serve_args", "parse_size",
            "resolve_serve_args"]
@@ -79,6 +80,11 @@ def _port(text: str) -> int:
     return value
 
 
+def _path_list(text: str) -> list[str]:
+    """Folders separated as in PATH: a folder name may hold spaces or commas."""
+    return [p for p in text.split(os.pathsep) if p]
+
+
 def parse_bool(text: str) -> bool:
     low = text.strip().lower()
     if low in _TRUE:
@@ -105,6 +111,9 @@ class ServeArgs:
     ready_before_kv_cache_mapped: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    lora_modules: list[LoRAModulePath] = field(default_factory=list)  # loaded at startup
+    lora_root: list[str] = field(default_factory=list)  # where runtime adapter loads may read from
+    allow_runtime_lora_updating: bool = False
 
     @property
     def model(self) -> str:
@@ -125,6 +134,7 @@ class _Flag:
     group: str  # "server" or "engine"
     kwargs: dict[str, Any]
     positional: bool = False
+    env_type: Callable[[str], Any] | None = None  # the KVPILOT_* parser, when the flag's own does not fit
 
     @property
     def names(self) -> list[str]:
@@ -162,7 +172,26 @@ _SERVER_FLAGS = (
                 "model's text; needs --tool-call-parser. Named and 'required' tool choices work without it"}),
     _Flag("tool_call_parser", "server", {
         "choices": ["hermes"], "help": "how tool calls look in the model's text: hermes (JSON in tool_call tags, as Qwen2.5 writes)"}),
+    _Flag("lora_modules", "server", {
+        "nargs": "+", "type": parse_lora_module, "metavar": "NAME=PATH",
+        "help": "LoRA adapters to load at startup (needs --enable-lora), as name=path or vLLM's JSON "
+                "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a path is a local PEFT folder, "
+                "file:// or hf://org/name[@revision]. Clients select one with 'model': NAME. The env form is "
+                "whitespace-separated items or a JSON array"}, env_type=parse_lora_modules_env),
+    _Flag("lora_root", "server", {
+        "action": "append", "metavar": "DIR",
+        "help": "a folder runtime adapter loads may read from (repeatable; the env form separates them with "
+                f"'{os.pathsep}'). A local lora_path must resolve (symlinks followed) inside one; hf:// "
+                "adapters download into kvpilot's cache and need none"},
+          env_type=_path_list),
+    _Flag("allow_runtime_lora_updating", "server", {
+        "action": argparse.BooleanOptionalAction, "default": None,
+        "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; also "
+                "set by vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)"}),
 )
+
+# vLLM's variable for the same switch, honoured so a vLLM deployment's env keeps working
+VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 # Parsers for engine fields whose annotation alone says too little (sizes, ranges).
 _ENGINE_FIELD_TYPES: dict[str, Callable[[str], Any]] = {
@@ -226,6 +255,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def _env_converter(flag: _Flag) -> Callable[[str], Any]:
     """The function turning a KVPILOT_* string into the flag's value."""
     kw = flag.kwargs
+    if flag.env_type is not None:
+        return flag.env_type
     if kw.get("action") is argparse.BooleanOptionalAction:
         convert: Callable[[str], Any] = parse_bool
     elif kw.get("nargs") in ("+", "*"):
@@ -282,7 +313,26 @@ def resolve_serve_args(ns: argparse.Namespace, parser: argparse.ArgumentParser,
         args.engine = EngineConfig(**engine_values)  # its own checks: bad combinations exit like bad flags
     except ValueError as exc:
         parser.error(str(exc))
+    _check_lora_flags(args, ns, parser, environ)
     return args
+
+
+def _check_lora_flags(args: ServeArgs, ns: argparse.Namespace, parser: argparse.ArgumentParser,
+                      environ: Mapping[str, str]) -> None:
+    """vLLM's runtime-updating variable (below the flag and KVPILOT_*, as vLLM parses it), and the LoRA
+    flags' need for --enable-lora: without it they would be silently useless, so they stop the start."""
+    runtime_source = "--allow-runtime-lora-updating"
+    unset = getattr(ns, "allow_runtime_lora_updating", None) is None
+    vllm_on = environ.get(VLLM_RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
+    if unset and env_name("allow_runtime_lora_updating") not in environ and vllm_on:
+        args.allow_runtime_lora_updating = True
+        runtime_source = f"{VLLM_RUNTIME_LORA_ENV}=true"
+    if args.engine.enable_lora:
+        return
+    given = [name for name, on in (("--lora-modules", bool(args.lora_modules)), ("--lora-root", bool(args.lora_root)),
+                                   (runtime_source, args.allow_runtime_lora_updating)) if on]
+    if given:
+        parser.error(f"{', '.join(given)}: LoRA serving needs --enable-lora")
 
 
 def parse_serve_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> ServeArgs:

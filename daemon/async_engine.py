@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from .engine.config import EngineConfig
 from .engine.input_processor import InputLimits, InputProcessor
+from .engine.lora import LoRARequest
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
 from .errors import EngineDead, EngineNotReady, EngineQueueFull
@@ -50,7 +51,10 @@ class Engine(Protocol):
     vocab_size: int
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> None: ...
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None: ...
+    def add_lora(self, lora_request: LoRARequest) -> bool: ...
+    def remove_lora(self, lora_int_id: int) -> bool: ...
     def abort_request(self, request_id: str | Iterable[str]) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
@@ -81,6 +85,7 @@ class Submission:
     params: SamplingParams
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter `model` selected; None: the base model
 
 
 # Items a submission's sink receives, besides RequestOutput and an EngineDead exception.
@@ -109,6 +114,18 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    """Work on the engine itself (an adapter load or removal): run on the engine thread, between steps, in
+    order with the other commands; what it returns or raises settles `done` on the event loop."""
+
+    fn: Callable[[Engine], Any]
+    done: asyncio.Future
+
+
+_Command = _Add | _Abort | _Call
 
 
 @dataclass
@@ -147,7 +164,8 @@ class AsyncEngine:
         self.vocab_size: int = 0
         self.stats: Any = None  # latest EngineStats, replaced whole by the engine thread
         self._cond = threading.Condition()
-        self._cmds: list[_Add | _Abort] = []
+        self._cmds: list[_Command] = []
+        self._calls: set[asyncio.Future] = set()  # _Call results not yet settled: failed if the engine stops
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -174,6 +192,7 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join, timeout)
         if self.state in (EngineState.READY, EngineState.LOADING):
             self.state = EngineState.STOPPED
+        self._fail_calls(EngineDead("the engine was stopped"))
 
     @property
     def alive(self) -> bool:
@@ -234,6 +253,16 @@ class AsyncEngine:
         if self.state is EngineState.READY:
             self._send(_Abort(ids))
 
+    async def load_lora(self, lora_request: LoRARequest) -> bool:
+        """Have the engine read, check and hold an adapter (LoRAAdapterError if it cannot be served). Runs on
+        the engine thread, since the engine is not thread-safe; a load takes up to a second or so, which
+        the event loop spends serving other requests."""
+        return await self._call(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the engine (False: it held none with that id). Running requests finish."""
+        return await self._call(lambda engine: engine.remove_lora(lora_int_id))
+
     def abort_all(self, reason: str) -> int:
         ids = list(self._in_flight)
         self.abort(ids, reason)
@@ -246,7 +275,31 @@ class AsyncEngine:
 
     # ---- internals: event loop side ---------------------------------------------------------------
 
-    def _send(self, cmd: _Add | _Abort) -> None:
+    async def _call(self, fn: Callable[[Engine], Any]) -> Any:
+        self.check_accepting()
+        assert self._loop is not None
+        done = self._loop.create_future()
+        self._calls.add(done)
+        try:
+            self._send(_Call(fn, done))
+            return await done
+        finally:
+            self._calls.discard(done)
+
+    def _settle(self, done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+        if done.done():  # failed already: the engine died or stopped meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def _fail_calls(self, error: Exception) -> None:
+        for done in list(self._calls):
+            if not done.done():
+                done.set_exception(error)
+
+    def _send(self, cmd: _Command) -> None:
         with self._cond:
             self._cmds.append(cmd)
             self._cond.notify()
@@ -320,6 +373,7 @@ class AsyncEngine:
             fl = self._forget(rid)
             if fl is not None:
                 fl.sink.put_nowait(EngineDead(f"the engine stopped: {message}"))
+        self._fail_calls(EngineDead(f"the engine stopped: {message}"))
         if self._started is not None and not self._started.done():
             self._started.set_exception(RuntimeError(f"engine failed to load: {message}"))
 
@@ -390,6 +444,8 @@ class AsyncEngine:
             for cmd in cmds:
                 if isinstance(cmd, _Add):
                     acks.append((cmd, self._add(engine, cmd)))
+                elif isinstance(cmd, _Call):
+                    self._run_call(engine, cmd)
                 else:
                     with contextlib.suppress(KeyError, ValueError):  # already finished: nothing to free
                         engine.abort_request(cmd.request_ids)
@@ -399,14 +455,26 @@ class AsyncEngine:
             if acks or outputs:
                 self._call_loop(self._deliver, acks, outputs, t)
 
+    def _run_call(self, engine: Engine, cmd: _Call) -> None:
+        """Settled at once, not with the step's outputs: a load's answer need not wait for a step."""
+        try:
+            result, error = cmd.fn(engine), None
+        except Exception as exc:  # noqa: BLE001 - a bad adapter must never stop the loop
+            result, error = None, exc
+            if not isinstance(exc, ValueError | TypeError):
+                log.exception("engine call failed")
+        self._call_loop(self._settle, cmd.done, result, error)
+
     @staticmethod
     def _add(engine: Engine, cmd: _Add) -> Exception | None:
         """Add all of a command's submissions or none of them. Returns what add_request raised."""
         added: list[str] = []
         try:
             for s in cmd.submissions:
+                # the keyword only with an adapter: engines (and test doubles) without LoRA keep working
+                extra = {"lora_request": s.lora_request} if s.lora_request is not None else {}
                 engine.add_request(s.request_id, s.prompt_token_ids, s.params, priority=s.priority,
-                                   cache_salt=s.cache_salt)
+                                   cache_salt=s.cache_salt, **extra)
                 added.append(s.request_id)
         except Exception as exc:  # noqa: BLE001 - a bad request must never stop the loop
             if added:

@@ -8,6 +8,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from kvpilot.common.errors import APIError
 
 from .engine.input_processor import InputError
+from .engine.lora import LoRANotFound
 from .errors import EngineDead, EngineNotReady, EngineQueueFull, EngineRejected
 
 
@@ -18,7 +19,9 @@ def to_api_error(exc: BaseException) -> APIError | None:
     if isinstance(exc, RequestPayloadError | HttpProcessingError):  # a body aiohttp could not decode
         return APIError(f"the request body could not be decoded: {str(exc).strip() or type(exc).__name__}",
                         code="invalid_body", headers={"Connection": "close"})
-    if isinstance(exc, InputError):
+    if isinstance(exc, LoRANotFound):  # an InputError, but naming what is not there: vLLM answers 404
+        return APIError(str(exc), status=404, param=exc.param, code=exc.code)
+    if isinstance(exc, InputError):  # bad adapter names, paths and files among them: a 400
         return APIError(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, EngineQueueFull):
         return APIError(str(exc), status=429, error_type="rate_limit_error", code="rate_limit_exceeded",

@@ -117,10 +117,13 @@ class _EngineStatsCollector(Collector):
         cache.add_metric([str(self.owner.block_size), str(int(stats.num_total_blocks)),
                           str(self.owner.enable_prefix_caching)], 1.0)
         yield cache
-        # no LoRA support yet: max_lora 0 and no adapters; the value is a timestamp, as vLLM's
+        # The adapters in the batch and waiting for a slot, by name, comma-joined (what the Inference
+        # Extension's endpoint picker reads for adapter affinity); the value is a timestamp, as vLLM's, so
+        # a reader keeping several samples takes the newest.
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-        lora.add_metric(["0", "", ""], time.time())
+        lora.add_metric([str(int(getattr(stats, "max_loras", 0))), ",".join(getattr(stats, "lora_waiting", ())),
+                         ",".join(getattr(stats, "lora_running", ()))], time.time())
         yield lora
 
 

@@ -20,6 +20,8 @@ from kvpilot.version import __version__
 from .args import ServeArgs
 from .async_engine import AsyncEngine
 from .http_errors import to_api_error
+from .lora_registry import Adapter, LoRARegistry
+from .lora_routes import LoRARoutes
 from .metrics import CONTENT_TYPE, DaemonMetrics
 from .request_log import REQUEST_LOG_FIELDS, REQUEST_STARTED_AT
 from .served_names import served_names
@@ -42,6 +44,8 @@ class ServerState:
     engine: AsyncEngine
     metrics: DaemonMetrics
     serving: OpenAIServing
+    loras: LoRARegistry
+    adapters_loaded: bool = True  # False until the --lora-modules adapters are in: /ready waits for them
     draining: bool = False
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -170,6 +174,8 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"status": "draining"}, status=503)
     if not st.engine.ready:
         return web.json_response({"status": st.engine.state.value}, status=503)
+    if not st.adapters_loaded:
+        return web.json_response({"status": "loading_adapters"}, status=503)
     return web.json_response({"status": "ready"})
 
 
@@ -182,23 +188,30 @@ async def version(_request: web.Request) -> web.Response:
     return web.json_response({"version": __version__})
 
 
-def _model_card(st: ServerState, name: str) -> dict[str, Any]:
+def _model_card(st: ServerState, name: str, root: str | None = None, parent: str | None = None) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": int(st.started), "owned_by": "kvpilot",
-            "root": st.args.model, "parent": None, "max_model_len": st.engine.max_model_len or None}
+            "root": root or st.args.model, "parent": parent, "max_model_len": st.engine.max_model_len or None}
+
+
+def _adapter_card(st: ServerState, adapter: Adapter) -> dict[str, Any]:
+    """vLLM's shape: the adapter's path as root, the base model (its primary name) as parent."""
+    return _model_card(st, adapter.name, adapter.source, adapter.parent or st.serving.names.primary)
 
 
 async def list_models(request: web.Request) -> web.Response:
     st = _state(request)
-    return web.json_response({"object": "list", "data": [_model_card(st, n) for n in st.serving.names.listed]})
+    cards = [_model_card(st, n) for n in st.serving.names.listed]
+    cards += [_adapter_card(st, a) for a in st.loras.adapters]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = _state(request)
     name = request.match_info["model"]
-    if not st.serving.names.accepts(name):
-        raise APIError(f"The model `{name}` does not exist. Served: {', '.join(st.serving.names.accepted)}",
-                       status=404, param="model", code="model_not_found")
-    return web.json_response(_model_card(st, name))
+    lora = st.serving.check_model(name)  # the 404 for a name that is neither the base nor an adapter
+    if lora is None:
+        return web.json_response(_model_card(st, name))
+    return web.json_response(next(_adapter_card(st, a) for a in st.loras.adapters if a.name == lora.lora_name))
 
 
 def build_app(args: ServeArgs, engine: AsyncEngine | None = None) -> web.Application:
@@ -216,11 +229,13 @@ def build_app(args: ServeArgs, engine: AsyncEngine | None = None) -> web.Applica
     daemon_metrics.enable_prefix_caching = config.enable_prefix_caching
     daemon_metrics.stats_fn = lambda: engine.stats
     daemon_metrics.queued_fn = lambda: engine.num_queued
+    loras = LoRARegistry(engine, names, args.lora_root)
     serving = OpenAIServing(engine, names, config.scheduling_policy, config.max_num_seqs,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
-                            tool_call_parser=args.tool_call_parser)
+                            tool_call_parser=args.tool_call_parser, loras=loras)
     app = web.Application(middlewares=[errors_and_logs, auth_and_drain], client_max_size=MAX_BODY_BYTES)
-    state = ServerState(args=args, engine=engine, metrics=daemon_metrics, serving=serving)
+    state = ServerState(args=args, engine=engine, metrics=daemon_metrics, serving=serving, loras=loras,
+                        adapters_loaded=not args.lora_modules)
     state.idle.set()
     app[STATE_KEY] = state
     app.router.add_post("/v1/completions", serving.completions)
@@ -234,6 +249,8 @@ def build_app(args: ServeArgs, engine: AsyncEngine | None = None) -> web.Applica
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_route)
+    if args.allow_runtime_lora_updating:  # without it the routes do not exist (404), as in vLLM
+        LoRARoutes(loras).add_to(app.router)
     return app
 
 
@@ -249,6 +266,20 @@ async def start_engine(app: web.Application) -> None:
     log.info("model loaded", extra={"fields": {"model": st.args.model, "served_model_name": st.serving.model_name,
                                                "max_model_len": st.engine.max_model_len,
                                                "kv_capacity_tokens": st.engine.kv_capacity_tokens}})
+    await load_startup_adapters(st)
+
+
+async def load_startup_adapters(st: ServerState) -> None:
+    """The --lora-modules adapters, right after the model and before /ready says ready. The operator named
+    them, so their paths need no --lora-root; one that cannot be served stops the start, named."""
+    for module in st.args.lora_modules:
+        try:
+            adapter = await st.loras.load(module.name, module.path, trusted=True, parent=module.base_model_name)
+        except Exception as exc:
+            raise RuntimeError(f"--lora-modules {module.name}={module.path}: {exc}") from exc
+        log.info("adapter loaded", extra={"fields": {"lora_name": adapter.name, "lora_path": module.path,
+                                                     "lora_int_id": adapter.request.lora_int_id}})
+    st.adapters_loaded = True
 
 
 async def drain(app: web.Application, timeout: float) -> None:
@@ -291,6 +322,7 @@ async def serve(args: ServeArgs) -> int:
     try:
         await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if load.done() and load.exception() is not None:
+            # the error names the adapter when a --lora-modules one failed (tests match this message)
             log.error("model failed to load; exiting", extra={"fields": {"error": str(load.exception())}})
             code = 1
         else:

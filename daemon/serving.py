@@ -23,10 +23,12 @@ from kvpilot.common.protocol import StreamOptions
 
 from .async_engine import Aborted, Accepted, AsyncEngine, Rejected, Submission
 from .engine.input_processor import InputError, InputProcessor
+from .engine.lora import LoRARequest
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
 from .errors import EngineDead, EngineRejected
 from .http_errors import to_api_error
+from .lora_registry import LoRARegistry
 from .protocol import ChatRequest, parse_chat_request, parse_completion_request
 from .request_body import read_json_body
 from .request_log import REQUEST_LOG_FIELDS, REQUEST_STARTED_AT
@@ -39,9 +41,11 @@ _seq = itertools.count()
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, names: ServedNames, scheduling_policy: str, max_num_seqs: int, *,
-                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 loras: LoRARegistry | None = None) -> None:
         self.engine = engine
         self.names = names
+        self.loras = loras
         self.scheduling_policy = scheduling_policy
         self.max_num_seqs = max_num_seqs
         self.auto_tool_choice = enable_auto_tool_choice
@@ -53,10 +57,17 @@ class OpenAIServing:
 
     # ---- shared checks ----------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and not self.names.accepts(model):
-            raise APIError(f"The model `{model}` does not exist. Served: {', '.join(self.names.accepted)}",
-                           status=404, param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """What `model` selects: None for the base model (or no `model`), else the adapter's request."""
+        if model is None or self.names.accepts(model):
+            return None
+        lora = self.loras.get(model) if self.loras is not None else None
+        if lora is None:
+            adapters = [a.name for a in self.loras.adapters] if self.loras is not None else []
+            served = ", ".join(self.names.accepted) + (f"; adapters: {', '.join(adapters)}" if adapters else "")
+            raise APIError(f"The model `{model}` does not exist. Served: {served}", status=404, param="model",
+                           code="model_not_found")
+        return lora
 
     def _check_common(self, params: SamplingParams, priority: int) -> InputProcessor:
         """Checks both routes share; returns the loaded model's input processor."""
@@ -92,7 +103,7 @@ class OpenAIServing:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion_request(await read_json_body(request))
-        self.check_model(req.model)
+        lora = self._select(request, req.model)
         processor = self._check_common(req.params, req.priority)
         rid = self._request_id(request, "cmpl")
         seq = next(_seq)
@@ -105,19 +116,20 @@ class OpenAIServing:
                 texts.append(prompt.text)
             params = processor.fit(len(prompt.token_ids), req.params, param="prompt",
                                    max_tokens_explicit=req.max_tokens_set)
-            subs.append(Submission(f"{rid}-{seq}-{i}", prompt.token_ids, params, req.priority, req.cache_salt))
+            subs.append(Submission(f"{rid}-{seq}-{i}", prompt.token_ids, params, req.priority, req.cache_salt,
+                                   lora))
         if len(subs) > self.engine.max_queued_requests:
             raise APIError(f"{len(subs)} prompts in one request exceed the queue limit "
                            f"({self.engine.max_queued_requests})", param="prompt", code="invalid_value")
         await self._compile_grammar(req.params)
         job = RequestState(rid, subs, req.params.n, texts)
         request[REQUEST_LOG_FIELDS].update(request_id=rid, stream=req.stream, n=req.params.n, prompts=len(subs))
-        fmt = CompletionFormat(self.engine.tokenizer, self.model_name, job, req)
+        fmt = CompletionFormat(self.engine.tokenizer, self._reported(lora), job, req)
         return await self._run(request, job, fmt, req.stream, req.stream_options)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse_chat_request(await read_json_body(request), auto_tool_choice=self.auto_tool_choice)
-        self.check_model(req.model)
+        lora = self._select(request, req.model)
         processor = self._check_common(req.params, req.priority)
         text = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, req.tools)
         # the template already holds the special tokens
@@ -125,19 +137,30 @@ class OpenAIServing:
         params = processor.fit(len(ids), req.params, param="messages", max_tokens_explicit=req.max_tokens_set)
         await self._compile_grammar(params)
         rid = self._request_id(request, "chatcmpl")
-        job = RequestState(rid, [Submission(f"{rid}-{next(_seq)}-0", ids, params, req.priority, req.cache_salt)], req.params.n,
-                           [None])
+        sub = Submission(f"{rid}-{next(_seq)}-0", ids, params, req.priority, req.cache_salt, lora)
+        job = RequestState(rid, [sub], req.params.n, [None])
         request[REQUEST_LOG_FIELDS].update(request_id=rid, stream=req.stream, n=req.params.n)
-        fmt = self._chat_format(job, req)
+        fmt = self._chat_format(job, req, self._reported(lora))
         return await self._run(request, job, fmt, req.stream, req.stream_options)
 
-    def _chat_format(self, job: RequestState, req: ChatRequest) -> ChatFormat:
+    def _chat_format(self, job: RequestState, req: ChatRequest, model_name: str) -> ChatFormat:
         if req.tool_mode == "none":
-            return ChatFormat(self.engine.tokenizer, self.model_name, job, req)
+            return ChatFormat(self.engine.tokenizer, model_name, job, req)
         from .tools import TOOL_CALL_PARSERS
         from .tools.chat_format import ToolChatFormat  # calls can happen: the text is parsed for them
 
-        return ToolChatFormat(self.engine.tokenizer, self.model_name, job, req, TOOL_CALL_PARSERS[self.tool_call_parser])
+        return ToolChatFormat(self.engine.tokenizer, model_name, job, req, TOOL_CALL_PARSERS[self.tool_call_parser])
+
+    def _select(self, request: web.Request, model: str | None) -> LoRARequest | None:
+        """check_model, with the adapter noted in the request's log line."""
+        lora = self.check_model(model)
+        if lora is not None:
+            request[REQUEST_LOG_FIELDS]["lora_name"] = lora.lora_name
+        return lora
+
+    def _reported(self, lora: LoRARequest | None) -> str:
+        """The `model` a response reports: the adapter's name when one was selected, as vLLM does."""
+        return lora.lora_name if lora is not None else self.model_name
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Compile a constrained request's grammar before submitting it, so a grammar that does not

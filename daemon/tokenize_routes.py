@@ -89,7 +89,7 @@ class TokenizeRoutes:
     """The two handlers. `check_model` and `chat_prompt` are the generation routes' own, so the
     model names and the chat template behave exactly as on /v1/chat/completions."""
 
-    def __init__(self, engine: AsyncEngine, check_model: Callable[[str | None], None],
+    def __init__(self, engine: AsyncEngine, check_model: Callable[[str | None], object],
                  chat_prompt: Callable[[list[dict[str, Any]], bool, bool, list[Any]], str]) -> None:
         self.engine = engine
         self.check_model = check_model

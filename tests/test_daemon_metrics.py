@@ -26,8 +26,13 @@ def test_info_gauges_appear_once_the_engine_reports():
     fams = families(m)
     assert fams["vllm:cache_config_info"].samples[0].labels == {
         "block_size": "32", "num_gpu_blocks": "91", "enable_prefix_caching": "True"}
-    lora = fams["vllm:lora_requests_info"].samples[0]
-    assert lora.labels["max_lora"] == "0" and lora.labels["running_lora_adapters"] == "" and lora.value > 1e9
+    lora = fams["vllm:lora_requests_info"].samples[0]  # no adapters: max_lora 0, nothing running or waiting
+    assert lora.labels == {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    assert lora.value > 1e9  # a timestamp, as vLLM's
+    m.stats_fn = lambda: SimpleNamespace(**vars(STATS), max_loras=4, lora_running=("sql", "chat"),
+                                         lora_waiting=("docs",))
+    lora = families(m)["vllm:lora_requests_info"].samples[0]
+    assert lora.labels == {"max_lora": "4", "running_lora_adapters": "sql,chat", "waiting_lora_adapters": "docs"}
 
 
 def test_model_weight_bytes_by_quantization():

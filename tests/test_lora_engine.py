@@ -282,3 +282,52 @@ def test_adapter_read_from_a_bin_file_with_rslora(tiny, tmp_path: Path) -> None:
     llm = _llm(folder)
     assert _generate(llm, [PROMPTS[3]], [LoRARequest("bin", 1, str(path))]) == \
         [hf_greedy(merged(hf, path), PROMPTS[3], STEPS)]
+
+
+def test_speculative_decoding_with_adapters(tiny, references) -> None:
+    """Drafts are verified by the model with each row's adapter: greedy tokens stay exactly the merged model's."""
+    folder, _, adapters = tiny("llama")
+    llm = _llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert _generate(llm, PROMPTS, [None, *_requests(adapters)]) == references("llama")
+    assert llm.engine.get_stats().spec_decode_num_drafts > 0
+    assert all_free(llm)
+
+
+def test_structured_output_with_an_adapter(tiny) -> None:
+    from kvpilot.daemon.engine.structured.spec import StructuredOutputSpec
+
+    folder, _, adapters = tiny("llama")
+    llm = _llm(folder)
+    choices = ["abcabc", "cbacba", "bbbaaa"]  # single-letter tokens, which SmolLM2's tokenizer has
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputSpec.choice(choices))
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 3, params, use_tqdm=False,
+                        lora_request=[None, *_requests(adapters)[:2]])
+    assert all(o.outputs[0].text in choices for o in outs)
+    assert all_free(llm)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """HF's SmolLM2-135M on the builtin's weights (the dequantized copy the loader caches) and an adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpilot.common.model_source import resolve_model_path
+
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path("builtin://smollm2-135m")),
+                                              dtype=torch.float32).eval()
+    adapter = write_adapter(tmp_path_factory.mktemp("smollm2-lora"), hf, rank=8, seed=5, std=0.05,
+                            targets=("q_proj", "v_proj", "o_proj", "down_proj"))
+    return hf, adapter
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_real_weights_smollm2(smollm2, quantization: str) -> None:
+    """Real weights, float32: on the dequantized weights and on the GGUF file's own Q4_1 blocks, the adapter's
+    greedy tokens are HF's with the adapter merged (which differ from the base's)."""
+    hf, adapter = smollm2
+    prompt = list(range(600, 640))
+    ref = hf_greedy(merged(hf, adapter), prompt, STEPS)
+    assert ref != hf_greedy(hf, prompt, STEPS)
+    llm = LLM("builtin://smollm2-135m", dtype="float32", quantization=quantization, enable_lora=True,
+              max_lora_rank=8, num_kv_blocks=32)
+    assert _generate(llm, [prompt], [LoRARequest("real", 1, str(adapter))]) == [ref]

@@ -270,6 +270,8 @@ class LLMEngine:
             logger.debug("preempted %s (%s)", seq.seq_id, seq.status.value)
         if self.runner.lora is not None:
             failed += self._drop_unreadable_adapters(out)
+            # rows of one adapter side by side: each LoRA'd layer then runs one segment per adapter
+            out.scheduled.sort(key=lambda e: 0 if e.seq.lora_request is None else e.seq.lora_request.lora_int_id)
         if self.speculator is not None:
             self.speculator.forget(out.preempted)
             self.speculator.propose(out.scheduled)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpilot.kernels.lora import LoRASegments
+from kvpilot.kernels.ops import LoRASegments
 
 from ..config import EngineConfig
 from ..models.base import LoRABatch

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.kernels.lora import LoRASegments
+from kvpilot.kernels.ops import LoRASegments
 
 
 @dataclass
