@@ -24,9 +24,12 @@ import yaml
 from kvpilot.operator import kube as client
 
 GROUP, VERSION, PLURAL = "kvpilot.io", "v1alpha1", "inferencedeployments"
+LORA_PLURAL = "loraadapters"
 CRD_NAME = f"{PLURAL}.{GROUP}"
+LORA_CRD_NAME = f"{LORA_PLURAL}.{GROUP}"
 REPO = Path(__file__).resolve().parent.parent
 CRD_FILE = REPO / "crds" / "inferencedeployment.yaml"
+CRD_FILES = {CRD_NAME: CRD_FILE, LORA_CRD_NAME: REPO / "crds" / "loraadapter.yaml"}  # what `kubectl apply -f crds/` installs
 EXAMPLE_CR = REPO / "examples" / "inferencedeployment.yaml"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 NODES = "/api/v1/nodes"
@@ -38,6 +41,9 @@ RESOURCES: dict[str, dict[str, Any]] = {
     f"{GROUP}/{VERSION}/{PLURAL}": dict(
         kind="InferenceDeployment", singular="inferencedeployment", namespaced=True, shortnames=["infd"],
         verbs=_ALL, subresources=["status", "scale"]),
+    f"{GROUP}/{VERSION}/{LORA_PLURAL}": dict(
+        kind="LoRAAdapter", singular="loraadapter", namespaced=True, shortnames=["lora"], verbs=_ALL,
+        subresources=["status"]),
     "apps/v1/deployments": dict(kind="Deployment", singular="deployment", namespaced=True, verbs=_ALL,
                                 subresources=["status", "scale"]),
     "v1/services": dict(kind="Service", singular="service", namespaced=True, verbs=_ALL),
@@ -106,8 +112,9 @@ class Kube(client.KubeClient):
     # --- kubectl-like helpers
 
     async def apply_crd(self) -> None:
-        """`kubectl apply -f crds/`: the emulator serves the resource anyway; this keeps the object around."""
-        await self.create(CRDS, crd_manifest())
+        """`kubectl apply -f crds/`: the emulator serves the resources anyway; this keeps the objects around."""
+        for name in CRD_FILES:
+            await self.create(CRDS, crd_manifest(name))
 
     async def apply_cr(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         body = {**body, "metadata": {**body.get("metadata", {}), "namespace": ns}}
@@ -120,8 +127,8 @@ class Kube(client.KubeClient):
         return await self.get(f"{deployments(ns)}/{name}")
 
 
-def crd_manifest() -> dict[str, Any]:
-    return yaml.safe_load(CRD_FILE.read_text())
+def crd_manifest(name: str = CRD_NAME) -> dict[str, Any]:
+    return yaml.safe_load(CRD_FILES[name].read_text())
 
 
 def write_kubeconfig(path: Path, url: str, token: str = "e2e-token", namespace: str = "default",

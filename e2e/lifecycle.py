@@ -246,13 +246,13 @@ def node_capacity(cfg: Config) -> dict[str, str]:
             GPU: str(int(res.get("gpus", 0)) * n)}
 
 
-def start_operator(workdir: Path, target: Target) -> Any:
+def start_operator(workdir: Path, target: Target, extra_args: list[str] | None = None) -> Any:
     env = child_env()
     env.update(KUBECONFIG=str(target.kubeconfig), HOSTNAME="kvpilot-operator-e2e")
     # On a shared cluster it watches only the run's namespace.
     scope = ["-n", target.namespace] if target.real else ["-A"]
     argv = [sys.executable, "-m", "kvpilot.operator", *scope, "--standalone", "--metrics-port", "0",
-            "--scrape-timeout", "1"]
+            "--scrape-timeout", "1", *(extra_args or [])]
     return procs.spawn(argv, env, workdir / "operator.log")
 
 

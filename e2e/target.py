@@ -2,7 +2,7 @@
 
 On a cluster the run needs an API server and a controller-manager, nothing else: the node agent is the
 only node. It installs the CRD when the cluster lacks it, works in a namespace of its own, and removes
-what it created (the namespace, its Node, the CRD only if it installed it).
+what it created (the namespace, its Node, the CRDs only if it installed them).
 
 Both get the run's pod network (netns.py): a network namespace per pod where this machine can make them,
 else loopback addresses, which only the emulator accepts in EndpointSlices (a real API server refuses
@@ -26,7 +26,7 @@ from kvpilot.operator.kube import KubeApiError
 from . import kubeconfig, netns
 from .agent import NODE_NAME
 from .cluster import (
-    CRD_NAME,
+    CRD_FILES,
     CRDS,
     NAMESPACES,
     NODES,
@@ -53,7 +53,7 @@ class Target:
     namespace: str
     node: NodeSpec
     network: netns.PodNetwork = field(default_factory=netns.LoopbackNetwork)
-    installed_crd: bool = False
+    installed_crds: list[str] = field(default_factory=list)  # the CRDs this run installed (and so removes)
 
 
 @contextlib.asynccontextmanager
@@ -89,17 +89,17 @@ async def preflight(kube: Kube, path: Path) -> dict:
                            f"({type(e).__name__}: {e}). {hint}") from e
 
 
-async def ensure_crd(kube: Kube) -> bool:
+async def ensure_crd(kube: Kube, name: str) -> bool:
     """Install the CRD unless the cluster has it; True when this run installed it (and so removes it)."""
-    if await kube.get(f"{CRDS}/{CRD_NAME}") is not None:
+    if await kube.get(f"{CRDS}/{name}") is not None:
         return False
-    await kube.create(CRDS, crd_manifest())
+    await kube.create(CRDS, crd_manifest(name))
     for _ in range(120):  # 60 s
-        c = condition(await kube.get(f"{CRDS}/{CRD_NAME}"), "Established")
+        c = condition(await kube.get(f"{CRDS}/{name}"), "Established")
         if c and c.get("status") == "True":
             return True
         await asyncio.sleep(0.5)
-    raise ClusterError(f"the CRD {CRD_NAME} was created but is not Established after 60 s")
+    raise ClusterError(f"the CRD {name} was created but is not Established after 60 s")
 
 
 @contextlib.asynccontextmanager
@@ -115,8 +115,10 @@ async def cluster(path: Path, namespace: str, capacity: dict[str, str]) -> Async
         await preflight(kube, path)
         suffix = secrets.token_hex(3)  # a run of its own, beside anything else on the cluster
         target = Target(kube, path, True, f"{namespace}-{suffix}", NodeSpec(f"kvpilot-e2e-{suffix}", capacity))
-        target.installed_crd = await ensure_crd(kube)
         try:
+            for name in CRD_FILES:  # recorded one by one: a failure on the second still removes the first
+                if await ensure_crd(kube, name):
+                    target.installed_crds.append(name)
             await kube.create(NAMESPACES, {"apiVersion": "v1", "kind": "Namespace", "metadata": {
                 "name": target.namespace, "labels": {"app.kubernetes.io/part-of": "kvpilot-e2e"}}})
             yield target
@@ -128,10 +130,9 @@ async def cluster(path: Path, namespace: str, capacity: dict[str, str]) -> Async
 
 async def cleanup(t: Target) -> None:
     """Best effort, each step on its own: the namespace (and with it every object of the run), the Node
-    (the agent deletes it too), the CRD if this run installed it."""
+    (the agent deletes it too), the CRDs this run installed."""
     steps = [f"{NAMESPACES}/{t.namespace}", f"{NODES}/{t.node.name}"]
-    if t.installed_crd:
-        steps.append(f"{CRDS}/{CRD_NAME}")
+    steps += [f"{CRDS}/{name}" for name in t.installed_crds]
     for path in steps:
         with contextlib.suppress(KubeApiError, aiohttp.ClientError, TimeoutError, OSError):
             await t.kube.delete(path)

@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     p.add_argument("--scrape-timeout", type=float, default=float(os.environ.get("KVPILOT_SCRAPE_TIMEOUT", 2.0)),
                    help="seconds to wait for one pod's /metrics")
+    p.add_argument("--lora-period", type=float, default=float(os.environ.get("KVPILOT_OPERATOR_LORA_PERIOD", 2.0)),
+                   help="seconds between two reads of the daemons' adapters (how soon a restarted pod is reloaded)")
+    p.add_argument("--lora-load-timeout", type=float,
+                   default=float(os.environ.get("KVPILOT_OPERATOR_LORA_LOAD_TIMEOUT", 600.0)),
+                   help="seconds one adapter load may take, download included")
     p.add_argument("--log-level", default=os.environ.get("KVPILOT_LOG_LEVEL", "INFO"),
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -45,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Handed to the handlers in kopf's memo (startup reads memo.config), never through os.environ.
     config = OperatorConfig(metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                            scrape_timeout=args.scrape_timeout, namespaces=tuple(args.namespace))
+                            scrape_timeout=args.scrape_timeout, namespaces=tuple(args.namespace),
+                            lora_period=args.lora_period, lora_load_timeout=args.lora_load_timeout)
 
     kopf.configure(debug=args.log_level == "DEBUG", verbose=args.log_level == "DEBUG")
     logging.getLogger().setLevel(args.log_level)

@@ -18,6 +18,8 @@ class OperatorConfig:
     scrape_timeout: float = 2.0  # seconds for one pod's /metrics
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     loop_period: float = 0.5  # how often the autoscaling loop looks for InferenceDeployments that are due
+    lora_period: float = 2.0  # how often the LoRAAdapter loop reads the daemons' /v1/models (a restart's delay)
+    lora_load_timeout: float = 600.0  # seconds for one load_lora_adapter call, which may download the adapter
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -28,4 +30,6 @@ class OperatorConfig:
             metrics_host=env.get("KVPILOT_OPERATOR_METRICS_HOST", cls.metrics_host),
             scrape_timeout=float(env.get("KVPILOT_SCRAPE_TIMEOUT", cls.scrape_timeout)),
             namespaces=namespaces,
+            lora_period=float(env.get("KVPILOT_OPERATOR_LORA_PERIOD", cls.lora_period)),
+            lora_load_timeout=float(env.get("KVPILOT_OPERATOR_LORA_LOAD_TIMEOUT", cls.lora_load_timeout)),
         )

@@ -114,6 +114,8 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
     if isinstance(e.get("kvCacheMemory"), str) and not sizes.is_size(e["kvCacheMemory"]):
         errors.append(f"engine.kvCacheMemory is not a size: {e['kvCacheMemory']!r}")
     errors += speculative_rule_errors(e.get("speculative"))
+    if isinstance(e.get("maxCpuLoras"), int) and isinstance(e.get("maxLoras"), int) and e["maxCpuLoras"] < e["maxLoras"]:
+        errors.append("engine.maxCpuLoras must be >= engine.maxLoras")
     a = spec.get("autoscaling", {})
     try:
         if a["minReplicas"] > a["maxReplicas"]:

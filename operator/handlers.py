@@ -2,9 +2,11 @@
 
 - create/update/resume -> one idempotent reconcile (server-side apply of the Deployment, Services, PDBs and,
   with spec.router, the router's objects or an InferencePool);
-- an index of the InferenceDeployments feeds one autoscaling loop, started at startup (loop.py).
-No handler needs a finalizer (no daemons, timers or on.delete): deleting an InferenceDeployment never waits
-for the operator, and its children go by owner-reference garbage collection.
+- an index of the InferenceDeployments feeds one autoscaling loop, started at startup (loop.py);
+- an index of the LoRAAdapters feeds the LoRA loop (lora_loop.py), which loads adapters on the daemons.
+No handler needs kopf's finalizer (no daemons, timers or on.delete): deleting an InferenceDeployment never
+waits for the operator, and its children go by owner-reference garbage collection. LoRAAdapters carry a
+finalizer of the LoRA loop's own (lora_plan.FINALIZER): unloading them needs the operator.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from typing import Any
 import aiohttp
 import kopf
 
-from kvpilot.operator import kube, metrics, peering
+from kvpilot.operator import kube, lora_loop, metrics, peering
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.finalizers import strip_legacy_finalizers
 from kvpilot.operator.loop import AutoscalingLoop, index_entry
-from kvpilot.operator.names import GROUP, PLURAL, VERSION
+from kvpilot.operator.names import GROUP, LORA_PLURAL, PLURAL, VERSION
 from kvpilot.operator.reconcile import Degraded, NotReady, reconcile
 from kvpilot.operator.tick import Cr
 
@@ -37,6 +39,11 @@ def infd_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any
     return {(namespace, name): index_entry(body)}
 
 
+@kopf.index(GROUP, VERSION, LORA_PLURAL)
+def lora_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): lora_loop.index_entry(body)}
+
+
 def _peering_check(settings: kopf.OperatorSettings, client: kube.KubeClient,
                    config: OperatorConfig) -> Callable[[], Awaitable[bool]] | None:
     if settings.peering.standalone:
@@ -49,7 +56,7 @@ def _peering_check(settings: kopf.OperatorSettings, client: kube.KubeClient,
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logging.Logger,
-                  infd_index: kopf.Index, **_: Any) -> None:
+                  infd_index: kopf.Index, lora_index: kopf.Index, **_: Any) -> None:
     # Progress and diff-base live in our own annotations; status stays ours alone.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
@@ -74,15 +81,21 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
                            logger=logging.getLogger("kvpilot.operator.autoscaling"),
                            paused=_peering_check(settings, memo.kube, config))
     memo.loop_task = asyncio.create_task(loop.run(), name="kvpilot autoscaling loop")
+    adapters = lora_loop.LoRALoop(client=memo.kube, http=memo.http, adapters=lora_index, bases=infd_index,
+                                  locks=memo.locks, logger=logging.getLogger("kvpilot.operator.lora"),
+                                  period=config.lora_period, timeout=config.scrape_timeout,
+                                  load_timeout=config.lora_load_timeout,
+                                  paused=_peering_check(settings, memo.kube, config))
+    memo.lora_task = asyncio.create_task(adapters.run(), name="kvpilot LoRA loop")
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("loop_task")
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    for task in (memo.get("loop_task"), memo.get("lora_task")):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     await memo.kube.close()
     await memo.http.close()
     if memo.metrics_server is not None:

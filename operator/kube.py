@@ -35,7 +35,7 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import kopf
 
-from kvpilot.operator.names import GROUP, PLURAL, VERSION
+from kvpilot.operator.names import GROUP, LORA_PLURAL, PLURAL, VERSION
 
 FIELD_MANAGER = "kvpilot-operator"
 PatchKind = Literal["merge", "strategic", "json", "apply"]
@@ -307,3 +307,11 @@ def inferencedeployments(ns: str | None = None) -> str:
 
 def inferencedeployment(ns: str, name: str) -> str:
     return f"{inferencedeployments(ns)}/{name}"
+
+
+def loraadapters(ns: str | None = None) -> str:
+    return collection(f"{GROUP}/{VERSION}", LORA_PLURAL, ns)
+
+
+def loraadapter(ns: str, name: str) -> str:
+    return f"{loraadapters(ns)}/{name}"

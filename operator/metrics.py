@@ -26,6 +26,8 @@ DECISIONS = Counter("kvpilot_operator_scaling_decisions", "Autoscaler decisions"
                     registry=REGISTRY)
 RECONCILES = Counter("kvpilot_operator_reconciles", "Reconciles of InferenceDeployments", (*_L, "result"),
                      registry=REGISTRY)
+LORA_OPERATIONS = Counter("kvpilot_operator_lora_operations", "LoRA adapter loads and unloads on daemons",
+                          (*_L, "op", "result"), registry=REGISTRY)
 
 
 def serve(port: int, addr: str = "0.0.0.0"):

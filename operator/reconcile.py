@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvpilot.operator import crd, kube, metrics, resources, routing
+from kvpilot.operator import crd, kube, lora_plan, metrics, resources, routing
+from kvpilot.operator.lora_sources import NO_SOURCES, Sources
 from kvpilot.operator.status import now_iso
 from kvpilot.operator.tick import Cr, sync_pdb, write_status
 
@@ -40,7 +41,8 @@ async def reconcile(client: kube.KubeClient, cr: Cr, logger: logging.Logger,
 
     live_replicas = live.get("spec", {}).get("replicas") if live else None
     replicas = resources.reconcile_replicas(cr.spec, live_replicas)
-    deployment = await client.apply(kube.deployments(ns), resources.render_deployment(cr.meta, cr.spec, replicas))
+    lora = await adapter_sources(client, cr)
+    deployment = await client.apply(kube.deployments(ns), resources.render_deployment(cr.meta, cr.spec, replicas, lora))
     router, routing_error = await sync_routing(client, cr, status or {}, logger)
     await sync_pdb(client, cr, replicas)
     logger.info("reconciled: Deployment, Service%s with %d replicas%s",
@@ -54,6 +56,22 @@ async def reconcile(client: kube.KubeClient, cr: Cr, logger: logging.Logger,
         raise Degraded(routing_error[1])
     metrics.RECONCILES.labels(ns, name, "ok").inc()
     return replicas
+
+
+async def adapter_sources(client: kube.KubeClient, cr: Cr) -> Sources:
+    """The claims and folders this base's LoRAAdapters need in its pods (engine.enableLora only). A cluster
+    without the LoRAAdapter CRD (a chart upgrade does not install new CRDs) has none."""
+    if not cr.spec["engine"].get("enableLora"):
+        return NO_SOURCES
+    ns, name = cr.key
+    try:
+        listed = await client.list(kube.loraadapters(ns))
+    except kube.KubeApiError as e:
+        if e.not_found:
+            return NO_SOURCES
+        raise
+    adapters = [lora_plan.Adapter.from_body(body) for body in listed]
+    return lora_plan.wanted_sources(a for a in adapters if a.base_key == (ns, name))
 
 
 async def sync_routing(client: kube.KubeClient, cr: Cr, status: dict[str, Any], logger: logging.Logger,

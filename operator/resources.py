@@ -9,6 +9,8 @@ import json
 import math
 from typing import Any
 
+from kvpilot.operator import lora_sources
+from kvpilot.operator.lora_sources import NO_SOURCES, Sources
 from kvpilot.operator.names import GROUP, KIND, VERSION
 
 DAEMON_PORT = 8000
@@ -100,7 +102,8 @@ def shutdown_timeout(spec: dict[str, Any]) -> int:
     return max(1, spec["terminationGracePeriodSeconds"] - PRESTOP_SLEEP_SECONDS - DRAIN_MARGIN_SECONDS)
 
 
-def daemon_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+def daemon_args(meta: dict[str, Any], spec: dict[str, Any], lora: Sources = NO_SOURCES) -> list[str]:
+    """`lora` is what the base's LoRAAdapters need (lora_sources.py); the flags come with engine.enableLora."""
     e = spec["engine"]
     args = [
         "serve", model_argument(spec["model"]["uri"]),
@@ -133,6 +136,7 @@ def daemon_args(meta: dict[str, Any], spec: dict[str, Any]) -> list[str]:
         args += ["--speculative-config", speculative_config_json(e["speculative"])]
     if spec.get("apiKeySecret"):
         args += ["--api-key", "$(KVPILOT_API_KEY)"]  # expanded by the kubelet, never stored in the spec
+    args += lora_sources.daemon_args(e, lora)
     return args + list(e.get("extraArgs", []))
 
 
@@ -187,7 +191,7 @@ def probes(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def volumes(spec: dict[str, Any], lora: Sources = NO_SOURCES) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     cache = spec["modelCache"]
     empty_dir: dict[str, Any] = {"sizeLimit": cache["sizeLimit"]}
     if cache.get("medium"):
@@ -199,18 +203,19 @@ def volumes(spec: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, 
         claim = rest.partition("/")[0]
         vols.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": PVC_MOUNT, "readOnly": True})
-    return vols, mounts
+    lora_vols, lora_mounts = lora_sources.volumes(spec["engine"], lora)
+    return vols + lora_vols, mounts + lora_mounts
 
 
-def pod_template(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+def pod_template(meta: dict[str, Any], spec: dict[str, Any], lora: Sources = NO_SOURCES) -> dict[str, Any]:
     name = meta["name"]
-    vols, mounts = volumes(spec)
+    vols, mounts = volumes(spec, lora)
     container = {
         "name": "daemon",
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": ["kvpilot"],
-        "args": daemon_args(meta, spec),
+        "args": daemon_args(meta, spec, lora),
         "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}],
         "env": container_env(spec),
         "resources": container_resources(spec),
@@ -250,7 +255,8 @@ def pod_template(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def render_deployment(meta: dict[str, Any], spec: dict[str, Any], replicas: int) -> dict[str, Any]:
+def render_deployment(meta: dict[str, Any], spec: dict[str, Any], replicas: int,
+                      lora: Sources = NO_SOURCES) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -262,7 +268,7 @@ def render_deployment(meta: dict[str, Any], spec: dict[str, Any], replicas: int)
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec["startupTimeoutSeconds"] + 300,
-            "template": pod_template(meta, spec),
+            "template": pod_template(meta, spec, lora),
         },
     }
 

@@ -117,14 +117,22 @@ def split_pods(pods: Iterable[dict[str, Any]], port: int) -> tuple[list[Target],
         phase = pod.get("status", {}).get("phase")
         if phase in ("Succeeded", "Failed") or pod.get("metadata", {}).get("deletionTimestamp"):
             continue
-        ip = pod.get("status", {}).get("podIP")
-        if pod_is_ready(pod) and ip:
-            host = f"[{ip}]" if ":" in ip else ip
-            annotations = pod.get("metadata", {}).get("annotations") or {}
-            raw_port = str(annotations.get(METRICS_PORT_ANNOTATION, port))  # the pod may say where it serves
-            pod_port = int(raw_port) if raw_port.isdigit() and 0 < int(raw_port) < 65536 else port
-            path = annotations.get(METRICS_PATH_ANNOTATION, "/metrics")
-            targets.append(Target(pod=pod["metadata"]["name"], url=f"http://{host}:{pod_port}{path}"))
+        base = pod_base_url(pod, port)
+        if pod_is_ready(pod) and base:
+            path = (pod.get("metadata", {}).get("annotations") or {}).get(METRICS_PATH_ANNOTATION, "/metrics")
+            targets.append(Target(pod=pod["metadata"]["name"], url=f"{base}{path}"))
         else:
             not_ready += 1
     return targets, not_ready
+
+
+def pod_base_url(pod: dict[str, Any], port: int) -> str | None:
+    """http://ip:port of the pod's server, or None before it has an IP. The pod may say its port."""
+    ip = pod.get("status", {}).get("podIP")
+    if not ip:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    annotations = pod.get("metadata", {}).get("annotations") or {}
+    raw_port = str(annotations.get(METRICS_PORT_ANNOTATION, port))
+    pod_port = int(raw_port) if raw_port.isdigit() and 0 < int(raw_port) < 65536 else port
+    return f"http://{host}:{pod_port}"

@@ -76,6 +76,8 @@ def test_all_namespaces_rbac_is_least_privilege():
         ("kvpilot.io", "inferencedeployments"): {"get", "list", "watch", "patch"},
         ("kvpilot.io", "inferencedeployments/status"): {"patch"},
         ("kvpilot.io", "inferencedeployments/finalizers"): {"update"},
+        ("kvpilot.io", "loraadapters"): {"get", "list", "watch", "patch"},
+        ("kvpilot.io", "loraadapters/status"): {"patch"},
         ("apps", "deployments"): {"get", "create", "patch", "delete"},
         ("", "services"): {"create", "patch", "delete"},
         ("", "serviceaccounts"): {"create", "patch", "delete"},
@@ -164,7 +166,8 @@ def test_standalone_and_image_options():
 def test_the_chart_ships_the_crd_the_operator_uses():
     docs = render()
     names = {d["metadata"]["name"] for d in by_kind(docs, "CustomResourceDefinition")}
-    assert names == {"inferencedeployments.kvpilot.io", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+    assert names == {"inferencedeployments.kvpilot.io", "loraadapters.kvpilot.io", "clusterkopfpeerings.kopf.dev",
+                     "kopfpeerings.kopf.dev"}
 
 
 @pytest.mark.parametrize("bad", ["logLevel=LOUD", "replicaCount=-1", "metrics.port=80", "image.pullPolicy=Sometimes",

@@ -20,7 +20,7 @@ from kvpilot.daemon.args import ServeArgs, parse_serve_args
 from kvpilot.daemon.engine import runner as runner_mod
 from kvpilot.daemon.engine.config import QUANTIZATIONS, EngineConfig
 from kvpilot.daemon.engine.spec_decode import config as spec_config
-from kvpilot.operator import crd, resources
+from kvpilot.operator import crd, lora_sources, resources
 from operator_support import crd_checks as checks
 from operator_support.harness import CR_PATH, cluster
 
@@ -60,6 +60,7 @@ EVERY_FIELD_SET: dict[str, Any] = {
     "maxModelLen": 1234, "dtype": "float16", "kvCacheDtype": "bfloat16", "kvCacheMemory": "1.5Gi",
     "gpuMemoryUtilization": 0.55, "enablePrefixCaching": False, "schedulingPolicy": "priority",
     "maxQueuedRequests": 17, "extraArgs": ["--seed", "5"],
+    "enableLora": True, "maxLoras": 3, "maxLoraRank": 32, "maxCpuLoras": 5,
     "speculative": {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 1, "promptLookupMax": 4,
                     "disableByBatchSize": 2},
 }
@@ -268,6 +269,7 @@ def test_every_field_set_reaches_the_daemon():
     for prop, dest in DAEMON_FIELDS.items():
         assert getattr(a, dest) == EVERY_FIELD_SET[prop], prop
     assert cfg.seed == 5  # extraArgs
+    assert a.allow_runtime_lora_updating  # enableLora: the LoRAAdapter controller loads through the routes
     assert cfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                       "prompt_lookup_max": 4, "disable_by_batch_size": 2}
 
@@ -282,6 +284,51 @@ def test_a_bare_spec_runs_the_daemons_defaults():
         assert getattr(a, dest) == getattr(ServeArgs(), dest)
     for dest in OBJECT_FIELDS.values():
         assert getattr(cfg, dest) is None, dest
+    assert not a.allow_runtime_lora_updating and a.lora_root == []
+
+
+# --- engine.enableLora: the daemon's runtime-loading routes and its roots, which the operator manages ----
+
+def lora_args(engine: dict[str, Any], uris: list[str]) -> ServeArgs:
+    spec = crd.default_spec({"model": {"uri": "hf://org/model"}, "engine": engine})
+    args = resources.daemon_args(META, spec, lora_sources.sources(uris))
+    return parse_serve_args(args[1:], environ={})
+
+
+def test_enable_lora_opens_the_runtime_routes_and_the_adapters_roots():
+    uris = ["pvc://adapters/team/sql", "file:///opt/lora/chat", "hf://org/summary", "pvc://adapters/other"]
+    a = lora_args({"enableLora": True}, uris)
+    assert a.engine_config().enable_lora and a.allow_runtime_lora_updating
+    # One root per claim (its mount point) and per file:// folder; hf:// adapters need none.
+    assert a.lora_root == ["/adapters/pvc/adapters", "/opt/lora/chat"]
+    cfg = a.engine_config()
+    assert (cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras) == (1, 16, None)  # the daemon's defaults
+
+
+def test_without_enable_lora_no_lora_flag_reaches_the_daemon():
+    """Not even the roots of adapters that name the base: the daemon would refuse them without
+    --enable-lora, and a base without LoRA keeps its pod template (no roll on operator upgrades)."""
+    spec = crd.default_spec({"model": {"uri": "hf://org/model"}, "engine": {"maxLoras": 4}})
+    args = resources.daemon_args(META, spec, lora_sources.sources(["file:///opt/lora/chat"]))
+    assert not [x for x in args if "lora" in x]
+    a = lora_args({"maxLoras": 4}, ["file:///opt/lora/chat"])
+    assert not a.engine_config().enable_lora and not a.allow_runtime_lora_updating and a.lora_root == []
+
+
+@pytest.mark.parametrize("max_loras, max_cpu_loras", [(1, 1), (2, 1), (4, 4), (4, 3), (3, 9)])
+def test_max_cpu_loras_against_max_loras_agrees_with_the_daemon(max_loras, max_cpu_loras):
+    """The cross-field rule (CEL and the operator's mirror) is the daemon's own check."""
+    engine = {"enableLora": True, "maxLoras": max_loras, "maxCpuLoras": max_cpu_loras}
+    try:
+        parse_serve_args(["--enable-lora", "--max-loras", str(max_loras), "--max-cpu-loras", str(max_cpu_loras)],
+                         environ={})
+        daemon = True
+    except SystemExit:
+        daemon = False
+    assert crd_accepts(engine) == daemon == (max_cpu_loras >= max_loras)
+    if not daemon:
+        spec = crd.default_spec({"model": {"uri": "hf://org/m"}, "engine": engine})
+        assert "engine.maxCpuLoras must be >= engine.maxLoras" in crd.validate("ok", spec)
 
 
 # --- spec.model.quantization: the daemon's --quantization -----------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kvpilot.daemon.engine.config import EngineConfig
-from kvpilot.operator import crd
+from kvpilot.operator import crd, lora_crd
 from operator_support import crd_checks as checks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -21,8 +21,11 @@ CHART_CRDS = ROOT / "charts" / "kvpilot" / "crds"
 EXAMPLES = ROOT / "examples"
 
 
+CRD_FILES = sorted((ROOT / "crds").glob("*.yaml"))  # InferenceDeployment and LoRAAdapter
+
+
 def crd_docs() -> list[tuple[str, dict[str, Any]]]:
-    files = [CRD_FILE, *sorted(CHART_CRDS.glob("*.yaml"))]
+    files = [*CRD_FILES, *sorted(CHART_CRDS.glob("*.yaml"))]
     return [(f"{f.relative_to(ROOT)}:{d['metadata']['name']}", d)
             for f in files for d in yaml.safe_load_all(f.read_text()) if d]
 
@@ -39,7 +42,11 @@ def test_one_source_of_truth_for_the_crd():
     source = CRD_FILE.read_bytes()
     assert (CHART_CRDS / "inferencedeployment.yaml").read_bytes() == source, "the chart's CRD differs from crds/"
     assert crd.CRD_PATH.read_bytes() == source, "the operator package's CRD differs from crds/"
-    assert len(OUR_CRDS) == 2  # crds/ and the chart's copy are both checked below
+    lora = (ROOT / "crds" / "loraadapter.yaml").read_bytes()
+    assert (CHART_CRDS / "loraadapter.yaml").read_bytes() == lora, "the chart's LoRAAdapter CRD differs from crds/"
+    assert lora_crd.CRD_PATH.read_bytes() == lora, "the operator package's LoRAAdapter CRD differs from crds/"
+    assert [f.name for f in CRD_FILES] == ["inferencedeployment.yaml", "loraadapter.yaml"]
+    assert len(OUR_CRDS) == 4  # crds/ and the chart's copies are all checked below
 
 
 def schema() -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from operator_support.calls import ApiCall
-from operator_support.harness import CR_PATH, MetricsServer, cluster, eventually, operator
+from operator_support.harness import CR_PATH, LORA_PATH, MetricsServer, cluster, eventually, operator
 from operator_support.rbac import Authorizer, Grant, used_by
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -127,8 +127,27 @@ async def exercise(k, ns: str, metrics: MetricsServer, features: set[str]) -> No
         await eventually(lambda: _gone(k, f"/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/llm"),
                          what="the InferencePool removed")
 
+    await exercise_lora(k, ns)
     await k.delete_cr(ns, "llm")
     await eventually(lambda: _gone(k, path), what="InferenceDeployment deleted")
+
+
+async def exercise_lora(k, ns: str) -> None:
+    """A LoRAAdapter on the base: the operator's finalizer on and off, its status, and reconcile listing
+    the adapters for their folders (engine.enableLora)."""
+    lora = f"{LORA_PATH.format(ns=ns)}/sql"
+    await k.patch_cr(ns, "llm", {"spec": {"engine": {"enableLora": True}}})
+    await k.call("POST", LORA_PATH.format(ns=ns), {
+        "apiVersion": "kvpilot.io/v1alpha1", "kind": "LoRAAdapter", "metadata": {"name": "sql", "namespace": ns},
+        "spec": {"baseModel": "llm", "uri": "file:///opt/adapters/sql"}})
+
+    async def reported():
+        obj = await k.get(lora)
+        return obj if ((obj or {}).get("status") or {}).get("conditions") and obj["metadata"].get("finalizers") \
+            else None
+    await eventually(reported, what="the LoRAAdapter's finalizer and status")
+    await k.call("DELETE", lora)
+    await eventually(lambda: _gone(k, lora), what="LoRAAdapter deleted")
 
 
 async def _gone(k, path: str) -> bool:
@@ -155,7 +174,8 @@ async def test_rbac_allows_every_call_and_grants_nothing_unused(mode, monkeypatc
     kinds = {(c.verb, c.full_resource) for c in calls}
     # The run did what it was meant to: otherwise an empty record would pass.
     assert {("create", "deployments"), ("patch", "inferencedeployments/status"), ("create", "events"),
-            ("update", "inferencedeployments/finalizers")} <= kinds, kinds
+            ("update", "inferencedeployments/finalizers"), ("patch", "loraadapters/status"),
+            ("patch", "loraadapters"), ("list", "loraadapters")} <= kinds, kinds
     peerings = {c.resource for c in calls if c.group == "kopf.dev" and c.verb == "patch"}
     assert peerings == {PEERINGS[d["kind"]] for d in docs if d["kind"] in PEERINGS}, peerings
     auth = authorizer(docs)

@@ -18,7 +18,7 @@ import kmock
 import yaml
 from kopf.testing import KopfRunner
 
-from kvpilot.operator import crd
+from kvpilot.operator import crd, lora_crd
 
 from .background import on_own_loop
 from .calls import ApiCall
@@ -26,10 +26,14 @@ from .emulator import StrictEmulator
 
 CR_PATH = "/apis/kvpilot.io/v1alpha1/namespaces/{ns}/inferencedeployments"
 CR_KEY = "kvpilot.io/v1alpha1/inferencedeployments"
+LORA_PATH = "/apis/kvpilot.io/v1alpha1/namespaces/{ns}/loraadapters"
+LORA_KEY = "kvpilot.io/v1alpha1/loraadapters"
 ALL_VERBS = ["list", "watch", "get", "patch", "update", "create", "delete"]
 RESOURCES = {
     CR_KEY: dict(kind="InferenceDeployment", singular="inferencedeployment", namespaced=True, shortnames=["infd"],
                  verbs=ALL_VERBS, subresources=["status", "scale"]),
+    LORA_KEY: dict(kind="LoRAAdapter", singular="loraadapter", namespaced=True, shortnames=["lora"],
+                   verbs=ALL_VERBS, subresources=["status"]),
     # As on a server, Deployment status is written only through /status (Cluster.set_deployment_status).
     "apps/v1/deployments": dict(kind="Deployment", singular="deployment", namespaced=True, verbs=ALL_VERBS,
                                 subresources=["status", "scale"]),
@@ -159,12 +163,16 @@ async def eventually(check: Callable[[], Awaitable[Any]], timeout: float = 15.0,
 
 
 @contextlib.asynccontextmanager
-async def cluster(tmp_path: Any, validate: bool = False) -> AsyncIterator[Cluster]:
+async def cluster(tmp_path: Any, validate: bool = False, without: tuple[str, ...] = ()) -> AsyncIterator[Cluster]:
     """A stricter kmock (see emulator.py); validate=True also rejects CRs that fail the CRD's schema or CEL
-    rules with 422, as a real server does."""
+    rules with 422, as a real server does. `without` leaves resources out (e.g. LORA_KEY: a cluster whose
+    chart upgrade did not install the LoRAAdapter CRD)."""
+    catalog = {k: v for k, v in RESOURCES.items() if k not in without}
+
     def serve() -> contextlib.AbstractAsyncContextManager[tuple[StrictEmulator, str]]:
         # Built on the emulator's own loop, where its locks and watch buses are used.
-        return _serve(StrictEmulator(catalog=RESOURCES, schemas={CR_KEY: crd.version_schema()}, validate=validate))
+        schemas = {CR_KEY: crd.version_schema(), LORA_KEY: lora_crd.version_schema()}
+        return _serve(StrictEmulator(catalog=catalog, schemas=schemas, validate=validate))
 
     async with on_own_loop(serve, "kmock") as (emulator, url), aiohttp.ClientSession() as session:
         yield Cluster(emulator, url, session)
@@ -198,6 +206,7 @@ def operator(monkeypatch: Any, tmp_path: Any, url: str, metrics_port: int = 0,
     monkeypatch.setenv("KVPILOT_OPERATOR_METRICS_HOST", "127.0.0.1")
     monkeypatch.setenv("KVPILOT_SCRAPE_TIMEOUT", "0.5")
     monkeypatch.setenv("KVPILOT_OPERATOR_NAMESPACES", ",".join(namespaces or ()))
+    monkeypatch.setenv("KVPILOT_OPERATOR_LORA_PERIOD", "0.3")
     scope = [f"--namespace={ns}" for ns in namespaces] if namespaces else ["-A"]
     mode = [f"--peering={peering}"] if peering else ["--standalone"]
     args = ["run", *scope, *mode, "-m", "kvpilot.operator.handlers"]
@@ -236,10 +245,13 @@ class MetricsServer:
         )
         return aiohttp.web.Response(text=text, content_type="text/plain")
 
+    def routes(self, app: aiohttp.web.Application) -> None:
+        app.router.add_get("/metrics", self._metrics)
+
     @contextlib.asynccontextmanager
     async def _serve(self) -> AsyncIterator[None]:
         app = aiohttp.web.Application()
-        app.router.add_get("/metrics", self._metrics)
+        self.routes(app)
         runner = aiohttp.web.AppRunner(app)
         await runner.setup()
         try:
