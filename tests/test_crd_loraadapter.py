@@ -185,7 +185,9 @@ def test_the_replicas_pattern_is_one_re2_also_accepts():
 
 
 def doc_examples() -> list[dict[str, Any]]:
+    """The LoRAAdapters of docs/operator.md's YAML blocks and of examples/*.yaml."""
     blocks = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), re.S)
+    blocks += [f.read_text() for f in sorted((DOCS.parents[1] / "examples").glob("*.yaml"))]
     return [d for b in blocks for d in yaml.safe_load_all(b) if isinstance(d, dict) and d.get("kind") == "LoRAAdapter"]
 
 

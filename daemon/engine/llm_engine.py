@@ -89,6 +89,11 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.model_name
         self.runner = ModelRunner(self.config, self.loaded)
+        if self.config.enable_lora:  # before the KV cache: on a GPU its slots take memory the cache must leave
+            from .lora.manager import LoRAManager
+
+            self.runner.lora = LoRAManager(self.config, self.loaded.model, dtype=self.loaded.dtype,
+                                           device=self.loaded.device)
         num_blocks = self.runner.num_blocks_for_budget()
         num_cpu_blocks = 0
         if self.config.preemption_mode == "swap":
@@ -109,11 +114,6 @@ class LLMEngine:
             from .spec_decode.speculator import make_speculator
 
             self.speculator = make_speculator(self.config, self.loaded, self.runner, self.max_model_len)
-        if self.config.enable_lora:
-            from .lora.manager import LoRAManager
-
-            self.runner.lora = LoRAManager(self.config, self.loaded.model, dtype=self.loaded.dtype,
-                                           device=self.loaded.device)
         self.sampler = Sampler()
         self.vocab_size = int(self.loaded.hf_config.vocab_size)
         self.input_processor = InputProcessor(self.tokenizer, InputLimits(self.max_model_len, self.vocab_size))

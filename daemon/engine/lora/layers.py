@@ -28,7 +28,15 @@ class LoRASlots:
         # which slots hold weights for this layer; the extra last entry stands for slot -1 (the base)
         self.filled = np.zeros(num_slots + 1, dtype=bool)
 
-    def _allocate(self) -> None:
+    @property
+    def nbytes(self) -> int:
+        k = self.num_units * self.max_rank
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_slots * k * (self.in_features + self.out_features) * elem
+
+    def allocate(self) -> None:
+        if self.a is not None:
+            return
         k = self.num_units * self.max_rank
         kw = {"dtype": self.dtype, "device": self.device}
         self.a = torch.zeros(self.num_slots, k, self.in_features, **kw)
@@ -41,8 +49,7 @@ class LoRASlots:
         if not units:
             self.clear(slot)
             return
-        if self.a is None:
-            self._allocate()
+        self.allocate()
         assert self.a is not None and self.b is not None
         self.a[slot].zero_()
         self.b[slot].zero_()

@@ -50,6 +50,16 @@ class LoRAManager:
                 proj.lora = LoRASlots(proj.in_features, proj.out_per_rank, len(proj.partitions),
                                       num_slots=self.max_loras, max_rank=self.max_rank, dtype=dtype, device=device)
                 self.layers[(index, attr)] = proj.lora
+        if device.type == "cuda":  # all slots now, so that the KV cache, sized next, leaves them room
+            for slots in self.layers.values():
+                slots.allocate()
+        logger.info("LoRA: %d slots of rank %d over %d layers (%.1f MiB on %s when all are used), %d adapters in "
+                    "host memory", self.max_loras, self.max_rank, len(self.layers), self.slot_bytes() / 2**20,
+                    device.type, self.cpu_capacity)
+
+    def slot_bytes(self) -> int:
+        """The device slots' bytes once every layer's are made."""
+        return sum(s.nbytes for s in self.layers.values())
 
     # ------------------------------------------------------------------ the host-side LRU
 
