@@ -11,11 +11,11 @@ Decode rows (one query token) and prefill chunks (several) each have their kerne
 cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
 ``silu_mul``, ``rms_norm`` and ``rope_`` are the model's float32 and bfloat16 elementwise steps and
 ``store_kv`` its cache writes, one pass each; ``panel_gemm`` is the GEMM of small decode steps, over weights
-that ``pack_panels`` laid out for streaming. Attention's queries and output are float32 or bfloat16 (see
-``paged_attention``); the cache is float32, bfloat16 or float16
-(``kv_cache_dtype="float16"``: half the bytes a memory-bound decode step reads, widened to float32 in the
-kernel). The float16 entry points exist where the compiler has ``_Float16`` (gcc >= 12 on x86); ``supports``
-says which caches this build takes.
+that ``pack_panels`` laid out for streaming; ``lora_fn`` is the batched LoRA shrink/expand of a layer
+(kernels/lora.py). Attention's queries and output are float32 or bfloat16 (see ``paged_attention``); the
+cache is float32, bfloat16 or float16 (``kv_cache_dtype="float16"``: half the bytes a memory-bound decode step
+reads, widened to float32 in the kernel). The float16 entry points exist where the compiler has ``_Float16``
+(gcc >= 12 on x86); ``supports`` says which caches this build takes.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .settings import current
 __all__ = [
     "available", "reset", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
     "silu_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm", "panel_gemm_max_rows", "build_error",
-    "gguf_fn", "gguf_dot_path",
+    "gguf_fn", "gguf_dot_path", "lora_fn",
 ]
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "greedy_cpu.c",
                                             "elementwise_cpu.c", "store_kv_cpu.c", "small_gemm_cpu.c",
-                                            "gguf_gemm_cpu.c"))
+                                            "gguf_gemm_cpu.c", "lora_cpu.c"))
 # -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
@@ -209,8 +209,10 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
         _row_fns[name] = fn
     # the GGUF kernels (kernels/gguf.py calls them through gguf_fn): an int status each; the GEMM takes its
     # arguments packed in one int64 array (converting 15 ctypes arguments costs more than a small GEMM)
+    # the batched LoRA (kernels/lora.py calls it through lora_fn), packed the same way
     for name, argtypes in (("gguf_dequant", [i32, p, i64, i32, i32, p, i64, i32, i32]),
-                           ("gguf_gemm_packed", [ctypes.POINTER(ctypes.c_int64)])):
+                           ("gguf_gemm_packed", [ctypes.POINTER(ctypes.c_int64)]),
+                           ("lora_shrink_expand_packed", [ctypes.POINTER(ctypes.c_int64)])):
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = argtypes
         fn.restype = i32
@@ -242,6 +244,12 @@ def gguf_fn(name: str) -> Callable[..., int] | None:
     """The GGUF kernels' entry point ``kvpilot_<name>`` (gguf_dequant, gguf_gemm_packed; see
     csrc/gguf_gemm_cpu.c), bound on first use; None without the library."""
     return _row_kernel(name)
+
+
+def lora_fn() -> Callable[..., int] | None:
+    """The batched LoRA kernel's entry point (``kvpilot_lora_shrink_expand_packed``, csrc/lora_cpu.c), bound on
+    first use; None without the library."""
+    return _row_kernel("lora_shrink_expand_packed")
 
 
 def gguf_dot_path() -> bool:
