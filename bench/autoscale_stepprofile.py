@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host import cpu_name
 
 from kvpilot.daemon.engine import LLM, SamplingParams
 
@@ -115,14 +116,8 @@ def profile(rounds: int) -> dict[str, Any]:
     shapes = {k: {"rounds_s": v, "step_s": min(v)} for k, v in sorted(per_round.items()) if len(v) == rounds}
     return {"model": MODEL, "engine": settings, "threads": 1, "rounds": rounds,
             "rule": "per shape: the median of its steps in a round, then the fastest round",
-            "cpu": _cpu_name(), "shapes": shapes}
+            "cpu": cpu_name(), "shapes": shapes}
 
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main() -> None:

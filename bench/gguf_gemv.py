@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from host import cpu_name
 
 from kvpilot.kernels import cpu_native, gguf, gguf_reference
 
@@ -119,7 +120,7 @@ def main() -> None:
     result = {
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "dot_path": cpu_native.gguf_dot_path(),
         "torch": torch.__version__,
         "pool_mb": 0 if args.hot else args.pool_mb,
@@ -130,16 +131,6 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from host import cpu_name
 
 from kvpilot.kernels import cpu_native, lora
 from kvpilot.kernels import ops as K
@@ -167,7 +168,7 @@ def main() -> None:
     result = {
         "threads": torch.get_num_threads(),
         "machine": platform.machine(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "torch": torch.__version__,
         "rank": RANK,
         "slots": SLOTS,
@@ -184,16 +185,6 @@ def main() -> None:
     print(f"native faster for one segment up to (rows): {faster}")
     print(f"wrote {args.out}")
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from host import cpu_name
 
 from kvpilot.common.model_source import resolve_model_path
 from kvpilot.daemon.engine import LLM, EngineConfig, SamplingParams
@@ -33,13 +34,6 @@ from kvpilot.kernels import cpu_native
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "builtin://smollm2-135m"
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return platform.processor() or "unknown"
 
 
 def make_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:

@@ -218,6 +218,15 @@ def node_model_cache() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvpilot"
 
 
+async def finish_load(tasks: list[asyncio.Task], timeout: float) -> None:
+    """Let the load generators' in-flight requests finish, for at most ``timeout`` s; a stuck one is cancelled."""
+    running = [t for t in tasks if not t.done()]
+    if running:
+        _, pending = await asyncio.wait(running, timeout=timeout)
+        for t in pending:
+            t.cancel()
+
+
 def child_env() -> dict[str, str]:
     """The environment of the run's own children (operator, reference): none of this shell's KUBE* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}
@@ -285,11 +294,7 @@ async def run(cfg: Config) -> Report:
             finally:
                 heavy_stop.set()
                 trickle_stop.set()
-                load_tasks = [t for t in tasks[2:] if not t.done()]
-                if load_tasks:  # in-flight requests finish (bounded); a stuck one is cancelled
-                    _, pending = await asyncio.wait(load_tasks, timeout=60)
-                    for t in pending:
-                        t.cancel()
+                await finish_load(tasks[2:], timeout=60)
                 with contextlib.suppress(Exception):
                     rep.final_cr = await kube.cr(cfg.namespace, cfg.name)
                 stop_bg.set()

@@ -47,6 +47,7 @@ from .lifecycle import (
     Phases,
     child_env,
     e2e_cr,
+    finish_load,
     node_model_cache,
     requests_json,
     run_phase,
@@ -357,11 +358,7 @@ async def _run_on(cfg: Config, rep: Report, kube: Kube, target: Any) -> None:
         await _Scenario(cfg, rep, kube, operator, stop_load, tasks).run()
     finally:
         stop_load.set()
-        load_tasks = [t for t in tasks[2:] if not t.done()]
-        if load_tasks:  # in-flight requests finish (bounded); a stuck one is cancelled
-            _, pending = await asyncio.wait(load_tasks, timeout=120)
-            for t in pending:
-                t.cancel()
+        await finish_load(tasks[2:], timeout=120)
         stop_bg.set()
         await asyncio.wait(tasks[:2], timeout=30)
         await load.close()

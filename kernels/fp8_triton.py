@@ -9,18 +9,14 @@ activation dtype first, as the reference does).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .settings import current
+from .triton_dot import INTERPRET, dot_precision
 
 __all__ = ["block_linear", "tile_k"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # one tile configuration for the GPU and the interpreter, so that the tests cover what the GPU runs
 _BLOCK_N = 64
 
@@ -72,20 +68,6 @@ def _w8a16_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _precision(t: torch.Tensor) -> str:
-    """tl.dot's precision: exact in the interpreter; float32 activations on the GPU take the configured one
-    where there are tf32 tensor cores; 16-bit ones the compiler's default (it ignores the setting for them)."""
-    if _INTERPRET or t.dtype != torch.float32:
-        return "ieee" if _INTERPRET else "tf32"
-    precision = current().triton_fp32_precision
-    if precision.startswith("tf32") and _capability(t.device.index or 0) < (8, 0):
-        return "ieee"
-    return precision
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor | None,
@@ -109,8 +91,8 @@ def block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, sca
         x2, weight, scale, srow if srow is not None else scale, y,
         m, n, k,
         x2.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-        QBLOCK_K=block_k, HAS_SROW=srow is not None, DOT_PRECISION=_precision(x2),
-        UPCAST=_INTERPRET and x.dtype == torch.bfloat16,
+        QBLOCK_K=block_k, HAS_SROW=srow is not None, DOT_PRECISION=dot_precision(x2),
+        UPCAST=INTERPRET and x.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_K=bk,
     )
     y = y.reshape(*x.shape[:-1], n)

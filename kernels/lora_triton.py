@@ -14,23 +14,19 @@ never by a device read. Importing this module imports triton; ``kvpilot.kernels.
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from .settings import current
+from .triton_dot import INTERPRET, dot_precision
 
 if TYPE_CHECKING:  # lora imports this module on first use
     from .lora import LoRASegments
 
 __all__ = ["lora_shrink_expand"]
 
-# @triton.jit reads TRITON_INTERPRET when triton is imported; remember what it saw
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # One tile configuration for the GPU and the interpreter, so that the tests cover what the GPU runs. Decode
 # segments are a few rows: 16 (tl.dot's least) wastes the least; ranks up to 64 in one tile.
 _BLOCK_M, _BLOCK_K, _BLOCK_N, _MAX_BLOCK_R = 16, 64, 64, 64
@@ -110,22 +106,6 @@ def _expand_kernel(
     tl.store(dst, (old + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _precision(t: torch.Tensor) -> str:
-    """tl.dot's precision: the interpreter multiplies exactly; float32 on the GPU takes the configured one where
-    there are tf32 tensor cores; 16-bit inputs get the compiler's default, which it ignores for them."""
-    if _INTERPRET:
-        return "ieee"
-    if t.dtype != torch.float32:
-        return "tf32"
-    precision = current().triton_fp32_precision
-    if precision.startswith("tf32") and _capability(t.device.index or 0) < (8, 0):
-        return "ieee"
-    return precision
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -142,8 +122,8 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
     starts, slots = segments.device_tables(x.device)
     t = torch.empty((x.shape[0], rank), dtype=x.dtype, device=x.device)
     block_r = min(_MAX_BLOCK_R, max(16, triton.next_power_of_2(rank)))
-    precision = _precision(x)
-    upcast = _INTERPRET and x.dtype == torch.bfloat16
+    precision = dot_precision(x)
+    upcast = INTERPRET and x.dtype == torch.bfloat16
     row_blocks = triton.cdiv(rows, _BLOCK_M)
     _shrink_kernel[(num_segments, row_blocks, triton.cdiv(rank, block_r))](
         x, lora_a, t, starts, slots,

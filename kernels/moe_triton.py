@@ -16,21 +16,16 @@ read) return at once. Importing this module imports triton; ``kvpilot.kernels.op
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .moe import moe_align
 from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, check_moe_args
-from .settings import current
+from .triton_dot import INTERPRET, dot_precision
 
 __all__ = ["fused_moe"]
 
-# @triton.jit reads TRITON_INTERPRET when triton is imported; remember what it saw
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # One tile configuration for the GPU and the interpreter, so that the tests cover what the GPU runs. 64 rows a
 # block keeps the padding waste of decode-sized expert runs bounded while filling the tensor cores.
 _BLOCK_M, _BLOCK_N, _BLOCK_K = 64, 64, 32
@@ -128,23 +123,6 @@ def _down_kernel(
     tl.store(out_ptr + pair64[:, None] * stride_ot + offs_n[None, :], acc, mask=valid[:, None] & n_mask[None, :])
 
 
-def _precision(t: torch.Tensor) -> str:
-    """tl.dot's precision: the interpreter multiplies exactly; float32 on the GPU takes the configured one
-    where there are tf32 tensor cores (exact products before them); 16-bit inputs get the compiler's default
-    (the attention kernels pass the same), which it ignores for them."""
-    if _INTERPRET:
-        return "ieee"
-    if t.dtype != torch.float32:
-        return "tf32"
-    precision = current().triton_fp32_precision
-    if precision.startswith("tf32") and _capability(t.device.index or 0) < (8, 0):
-        return "ieee"
-    return precision
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -182,8 +160,8 @@ def fused_moe(
     b13 = w13_bias.contiguous() if w13_bias is not None else None
     b2 = w2_bias.contiguous() if w2_bias is not None else None
     gpt_oss = activation == "gpt_oss"
-    precision = _precision(hidden)
-    upcast = _INTERPRET and hidden.dtype == torch.bfloat16
+    precision = dot_precision(hidden)
+    upcast = INTERPRET and hidden.dtype == torch.bfloat16
     blocks = expert_ids.shape[0]
     _gate_up_kernel[(blocks, triton.cdiv(inter, _BLOCK_N))](
         hidden, w13, b13 if b13 is not None else w13, act, sorted_ids, expert_ids, num_post,

@@ -27,17 +27,25 @@ MAX_NAME_LEN = 50
 
 
 @functools.cache
-def load_crd() -> dict[str, Any]:
+def read_crd(path: Path) -> dict[str, Any]:
     # A file beside this module (package data), read by path: kvpilot.operator is a namespace package.
-    text = CRD_PATH.read_text(encoding="utf-8")
-    return yaml.safe_load(text)
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
-def version_schema(version: str = "v1alpha1") -> dict[str, Any]:
-    for v in load_crd()["spec"]["versions"]:
+def schema_of(doc: dict[str, Any], version: str = "v1alpha1") -> dict[str, Any]:
+    """The openAPIV3Schema of ``version`` in a CRD document."""
+    for v in doc["spec"]["versions"]:
         if v["name"] == version:
             return v["schema"]["openAPIV3Schema"]
     raise KeyError(version)
+
+
+def load_crd() -> dict[str, Any]:
+    return read_crd(CRD_PATH)
+
+
+def version_schema(version: str = "v1alpha1") -> dict[str, Any]:
+    return schema_of(load_crd(), version)
 
 
 def spec_schema() -> dict[str, Any]:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import yaml
 
 from kvpilot.operator import crd
 
@@ -27,16 +26,12 @@ MAX_NAME_FROM_METADATA = 128
 ALL = "all"
 
 
-@functools.cache
 def load_crd() -> dict[str, Any]:
-    return yaml.safe_load(CRD_PATH.read_text(encoding="utf-8"))
+    return crd.read_crd(CRD_PATH)
 
 
 def version_schema(version: str = "v1alpha1") -> dict[str, Any]:
-    for v in load_crd()["spec"]["versions"]:
-        if v["name"] == version:
-            return v["schema"]["openAPIV3Schema"]
-    raise KeyError(version)
+    return crd.schema_of(load_crd(), version)
 
 
 def spec_schema() -> dict[str, Any]:

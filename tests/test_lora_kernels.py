@@ -452,7 +452,7 @@ def lt():
     import kvpilot.kernels.lora_triton as mod
 
     # fail loudly rather than run compiled kernels on CPU tensors
-    assert mod._INTERPRET and type(tl.standard.cdiv).__name__ == "InterpretedFunction"
+    assert mod.INTERPRET and type(tl.standard.cdiv).__name__ == "InterpretedFunction"
     return mod
 
 
