@@ -20,8 +20,8 @@ Also recorded per phase: the router's decisions by reason (hash, prefix, spill, 
 by where it tokenized, and each replica's load (running, waiting, KV usage) scraped every second, with
 the routes and TTFT of the requests it served: where queues formed, not only how many requests went where.
 Usage: python bench/router_chat.py [--preset full|small|quick] [--prompts 8 --prompt-tokens 600
-       --conversations 40 --turns 4 ...] [--modes router] [--router-flags "--load-cap 1.0"] [--skip-kill]
-       [--skip-zero]
+       --conversations 40 --turns 4 ...] [--modes router,router_nospill,round_robin] [--router-flags
+       "--load-cap 1.0"] [--skip-kill] [--skip-zero]
 The default (full) workload is 8 tenants' ~600-token system prompts, 40 conversations of 4 turns, Poisson
 arrivals (an estimated 15-25 minutes in all on the 2-core CI host; not yet run at this size). `--preset
 small` is the earlier 15 x 3 one; `--preset quick` a smoke of the script (one router phase, no failure
@@ -354,11 +354,19 @@ def router_figures(text: str) -> dict[str, Any]:
             "router_retries": metric_by_label(text, "kvpilot:router_retries_total", "cause")}
 
 
+# router phases: the router's flags on top of --router-flags. router_nospill is the picker before issue 38's
+# queue-balancing spill (it only spilled over the load cap, or when another replica had a free slot)
+ROUTER_MODES: dict[str, tuple[str, ...]] = {
+    "router": (),
+    "router_nospill": ("--spill-margin", "inf", "--spill-kv-margin", "inf"),
+}
+
+
 async def sender(name: str, args: argparse.Namespace, urls: list[str]) -> tuple[Any, RouterProcess | None]:
     """The phase's send(messages, max_tokens): through a router process, or strict round-robin."""
-    if name == "router":
+    if name in ROUTER_MODES:
         router = RouterProcess("--endpoints", ",".join(urls), "--tokenizer", MODEL, "--log-level", "info",
-                               *args.router_flags.split())
+                               *args.router_flags.split(), *ROUTER_MODES[name])
         await asyncio.to_thread(router.start)
         (client,) = clients_for([router.url])
 
@@ -568,6 +576,12 @@ def markdown(res: dict[str, Any]) -> str:
              f"| max/mean replica load | {f(r['load_max_over_mean'], 2)} | {f(b['load_max_over_mean'], 2)} | |",
              f"| per-replica mean waiting | {waits(r)} | {waits(b)} | |",
              f"\nrouter decisions {r.get('router_decisions')}; decision time {r.get('router_decision_ms')}"]
+    if "router_nospill" in res:
+        n = res["router_nospill"]
+        lines.append(f"router without the queue-balancing spill: TTFT p50 {f(n['ttft_s']['p50'])} s, p99 "
+                     f"{f(n['ttft_s']['p99'])} s, hit rate {f(n['prefix_hit_rate'])}, per-replica requests "
+                     f"{[p['requests'] for p in n['replicas']]}, mean waiting {waits(n)}, decisions "
+                     f"{n.get('router_decisions')}")
     if "kill" in res:
         k = res["kill"]
         lines.append(f"\nkill one replica at {f(k.get('killed_at_s'), 1)} s: {k.get('outcomes')}; lost before "
@@ -671,7 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kill-limit", type=float, default=90.0, help="no new turn starts after this many seconds (kill run)")
     a("--zero-requests", type=int, default=4)
     a("--skip-modes", action="store_true", help="only the failure checks (debugging)")
-    a("--modes", default="router,round_robin", help="which load phases to run")
+    a("--modes", default="router,round_robin", help="which load phases to run (router, router_nospill: the "
+      "router without the queue-balancing spill, round_robin)")
     a("--router-flags", default="", help="extra router flags for the router phase, e.g. '--load-cap 0.5'")
     a("--skip-kill", action="store_true")
     a("--skip-zero", action="store_true")

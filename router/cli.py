@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--queue-weight", type=float, default=PickerConfig.queue_weight, help="extra cost of a waiting request "
       "(a request counts 1; a waiting one 1 + this)")
     a("--kv-weight", type=float, default=PickerConfig.kv_weight, help="cost of a full KV cache, in requests")
+    a("--spill-margin", type=float, default=PickerConfig.spill_margin, help="a request leaves its affinity "
+      "replica when that replica's queue is more than this many requests above the replicas' mean")
+    a("--spill-kv-margin", type=float, default=PickerConfig.spill_kv_margin, help="... or its KV usage more "
+      "than this share above their mean")
+    a("--adapter-affinity", action=argparse.BooleanOptionalAction, default=True, help="send a LoRA adapter's "
+      "requests to the replicas that list it (their /v1/models), those where it is loaded first")
+    a("--models-interval", type=float, default=5.0, help="seconds between polls of each replica's /v1/models")
     a("--replica-slots", type=float, default=None, help="requests a replica runs at once (the daemons' "
       "--max-num-seqs): one more would queue there (default: learned from the scraped running/waiting)")
     a("--tokenize-threads", type=int, default=2, help="threads that encode long prompts off the event loop "
@@ -80,13 +87,16 @@ def settings_from_args(ns: argparse.Namespace) -> RouterSettings:
         raise ValueError(f"--session: expected off, user or header:<Name>, got {ns.session!r}")
     picker = PickerConfig(prefix=ns.prefix, load=ns.load, session=session is not None, load_cap=ns.load_cap,
                           kv_full=ns.kv_full, hash_blocks=ns.hash_blocks, queue_weight=ns.queue_weight,
-                          kv_weight=ns.kv_weight, slots=ns.replica_slots)
+                          kv_weight=ns.kv_weight, slots=ns.replica_slots, spill_margin=ns.spill_margin,
+                          spill_kv_margin=ns.spill_kv_margin, adapter=ns.adapter_affinity)
     proxy = ProxyConfig(hold_max=ns.hold_max, hold_timeout=ns.hold_timeout, connect_timeout=ns.connect_timeout,
                         retry_after=ns.retry_after)
     if ns.tokenize_threads < 0 or ns.tokenize_inline_chars < 0:
         raise ValueError("--tokenize-threads and --tokenize-inline-chars must be >= 0")
     if ns.tokenize_max_pending is not None and ns.tokenize_max_pending < 0:
         raise ValueError("--tokenize-max-pending must be >= 0")
+    if not ns.models_interval > 0:
+        raise ValueError("--models-interval must be > 0")
     if not ns.endpoints and not ns.service:
         raise ValueError("give --endpoints (static) or --service (EndpointSlice discovery)")
     return RouterSettings(host=ns.host, port=ns.port, endpoints=ns.endpoints, service=ns.service,
@@ -94,7 +104,8 @@ def settings_from_args(ns: argparse.Namespace) -> RouterSettings:
                           block_size=ns.block_size, picker=picker, proxy=proxy, index_blocks=ns.index_blocks,
                           session_source=session, session_capacity=ns.session_capacity,
                           scrape_interval=ns.scrape_interval, scrape_timeout=ns.scrape_timeout,
-                          metrics_path=ns.metrics_path, tokenize_threads=ns.tokenize_threads,
+                          metrics_path=ns.metrics_path, models_interval=ns.models_interval,
+                          tokenize_threads=ns.tokenize_threads,
                           tokenize_inline_chars=ns.tokenize_inline_chars,
                           tokenize_max_pending=ns.tokenize_max_pending)
 

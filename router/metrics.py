@@ -50,6 +50,13 @@ class RouterMetrics:
         self.tokenize_shed = Counter("kvpilot:router_tokenize_shed", "Long prompts not tokenized because "
                                      "--tokenize-max-pending were already on the tokenizer threads: routed on "
                                      "load alone.", registry=r)
+        self.adapter_decisions = Counter(
+            "kvpilot:router_adapter_decisions", "Requests naming a LoRA adapter, by where they went: hit (a "
+            "replica where the adapter was hot: its requests running or waiting there), spill (moved by load "
+            "off every replica where it was hot; that replica loads it), cold (hot nowhere: the least-loaded "
+            "replica that lists it loads it), unlisted (a model name no replica lists: routed as any "
+            "request, the replica answers for it).", ["outcome"], registry=r)
+        self._adapter_children: dict[str, Any] = {}
         self._decision_children: dict[str, Any] = {}
         self._overhead_children: dict[str, Any] = {}
         self._inflight_children: dict[str, Any] = {}
@@ -61,6 +68,12 @@ class RouterMetrics:
         child = self._decision_children.get(reason)
         if child is None:  # labels() takes a lock and builds a tuple: once per reason is enough
             child = self._decision_children[reason] = self.decisions.labels(reason)
+        child.inc()
+
+    def adapter_decided(self, outcome: str) -> None:
+        child = self._adapter_children.get(outcome)
+        if child is None:
+            child = self._adapter_children[outcome] = self.adapter_decisions.labels(outcome)
         child.inc()
 
     def decision_time(self, tokenized: str, seconds: float) -> None:

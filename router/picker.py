@@ -10,12 +10,22 @@ First the *home* of the request is found, ignoring load:
 Then load may move the request off its home (reason `spill`):
 - the home is over the load cap or its KV cache is nearly full, or
 - the request would queue at the home (it reports waiting requests, or it already runs as many as a
-  replica runs at once: `slots`) while another eligible replica would run it at once.
-A spill goes to the eligible replica with the next-longest cached prefix (the prefix index knows), else to
-the next one in the prompt's rendezvous ranking: not simply the least loaded, so the tenant's prefix
-becomes cached on one more replica (the same one in every router) and later requests spread over both.
+  replica runs at once: `slots`) while another eligible replica would run it at once, or
+- every replica may queue, but the home's queue passes the eligible replicas' mean by `spill_margin`
+  requests (or its KV usage theirs by `spill_kv_margin`): the tail is the longest queue, so no replica
+  may build it while others have shorter ones. Such a spill goes only to another replica holding part of
+  the prompt (its tenant's system prompt, say), which prefills just the rest: a replica without it would
+  prefill all of it and take one tenant more into its cache, evicting other tenants' prefixes there.
+A spill goes to an eligible replica not over those means, with the next-longest cached prefix (the prefix
+index knows), else to the next one in the prompt's rendezvous ranking: not simply the least loaded, so the
+tenant's prefix becomes cached on one more replica (the same one in every router) and later requests
+spread over both.
 4. load: with nothing to route by (no prompt, prefix off), the replica with the lowest cost.
 5. fallback: every replica is over the cap or full; the lowest cost still answers.
+A request for a LoRA adapter (`AdapterTargets`) may go only to the replicas that list it. Its home is
+found as above among those where the adapter is hot (requests for it run or wait there: it holds an
+adapter slot), and a spill prefers another hot replica; an adapter hot nowhere goes to the cheapest
+replica that lists it, one with a free adapter slot first, which loads it on demand.
 The load cap is bounded-load consistent hashing: no choice may put a replica more than `load_cap` (a share)
 above the mean load while another replica is under it. Cost weighs a waiting request (it delays a first
 token by a whole request) more than a full KV cache (it only risks a preemption later).
@@ -27,11 +37,14 @@ import hashlib
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 REASONS = ("session", "prefix", "hash", "spill", "load", "fallback")
+# where an adapter request went: where the adapter was hot, off every hot replica (by load), where it was
+# hot nowhere (the replica loads it), or anywhere: a model name that no replica lists
+ADAPTER_OUTCOMES = ("hit", "spill", "cold", "unlisted")
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,20 @@ def _load(inflight: int, scraped: float) -> float:
 
 
 @dataclass(frozen=True)
+class AdapterTargets:
+    """Where one LoRA adapter can run (router/adapters.py builds it from what the replicas report)."""
+
+    name: str
+    listed: frozenset[str] = frozenset()  # replicas whose /v1/models lists it
+    hot: frozenset[str] = frozenset()  # replicas with requests for it running or waiting
+    full: frozenset[str] = frozenset()  # replicas whose adapter slots all hold other adapters
+
+    @property
+    def serving(self) -> frozenset[str]:
+        return self.listed | self.hot  # a hot adapter is served there, whatever an older list said
+
+
+@dataclass(frozen=True)
 class PickerConfig:
     prefix: bool = True  # prefix index + consistent hashing
     load: bool = True  # scraped load, the load cap, spills and the KV-full rule (off: our in-flight count only)
@@ -72,6 +99,11 @@ class PickerConfig:
     queue_weight: float = 1.0  # cost of a waiting request on top of its count in the load (so 2 in all)
     kv_weight: float = 1.0  # cost of a full KV cache, in requests (scaled by the usage)
     slots: float | None = None  # requests a replica runs at once (--max-num-seqs); None: learned from scrapes
+    # the home spills when its queue passes the replicas' mean by this many requests, or its KV usage
+    # passes theirs by this share (inf: off)
+    spill_margin: float = 2.0
+    spill_kv_margin: float = 0.5
+    adapter: bool = True  # adapter affinity (off: an adapter's requests route as any model's)
 
     def __post_init__(self) -> None:
         if self.load_cap < 0:
@@ -84,6 +116,8 @@ class PickerConfig:
             raise ValueError("queue_weight and kv_weight must be >= 0")
         if self.slots is not None and self.slots < 1:
             raise ValueError(f"slots must be >= 1, got {self.slots}")
+        if not self.spill_margin >= 0 or not self.spill_kv_margin >= 0:  # NaN fails too
+            raise ValueError("spill_margin and spill_kv_margin must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -91,6 +125,7 @@ class Decision:
     endpoint: str
     reason: str
     hit_blocks: int = 0  # blocks of the prompt the chosen replica is believed to hold
+    adapter: str = ""  # for an adapter request, one of ADAPTER_OUTCOMES ("" for any other)
 
 
 @dataclass  # not frozen: a frozen dataclass's __init__ is slower, and this one lives for one pick
@@ -105,9 +140,20 @@ class _View:
     # the prompt's rendezvous order as a sort key per name, lowest first ({} with no prefix key): the
     # ranking itself is never sorted, a pick only needs its first name or the order among a few
     order: dict[str, tuple[int, int]] = field(default_factory=dict)
+    slots: float | None = None
+    queue_sum: float = 0.0  # the eligible replicas' queues (`queue`) and KV usage, summed, for their means
+    kv_sum: float = 0.0
+    adapter: bool = False  # the request names an adapter these replicas list
+    hot: frozenset[str] = frozenset()  # where that adapter is hot
 
     def rank(self, name: str) -> tuple[int, int]:
         return self.order.get(name, (0, 0))
+
+    def queue(self, name: str) -> float:
+        """Requests waiting for a slot there now: scraped, or what our fresh count puts beyond its slots."""
+        e = self.live[name]
+        waiting = e.waiting or 0.0
+        return waiting if self.slots is None else max(waiting, e.load - self.slots)
 
 
 @dataclass
@@ -148,25 +194,44 @@ class Picker:
 
     def pick(self, loads: Sequence[EndpointLoad], block_hashes: Sequence[bytes] = (),
              cached: Mapping[str, int] | None = None, session_endpoint: str | None = None,
-             exclude: Iterable[str] = (), slots: float | None = None) -> Decision | None:
+             exclude: Iterable[str] = (), slots: float | None = None,
+             adapter: AdapterTargets | None = None) -> Decision | None:
         """The endpoint for one request; None when no endpoint is left.
 
         `cached` maps endpoint -> number of leading blocks the prefix index says it holds; `slots` is
-        the learned number of requests a replica runs at once (the config's value wins).
+        the learned number of requests a replica runs at once (the config's value wins); `adapter`, for a
+        request that names a LoRA adapter, where it can run (none listing it: routed as any request).
         """
         skip = set(exclude)
         live = [e for e in loads if e.name not in skip] if skip else list(loads)
+        serving = adapter.serving if adapter is not None and self.config.adapter else frozenset()
+        if serving:  # the others would answer 404
+            live = [e for e in live if e.name in serving]
         if not live:
             return None
         view = self._view(live, block_hashes, cached or {}, self.config.slots or slots)
+        if serving:
+            assert adapter is not None
+            view.adapter, view.hot = True, adapter.hot & view.live.keys()
+            # a slot freeing on a replica whose slots hold other adapters is a wait like a queue's
+            view.queues.update(n for n in adapter.full & view.live.keys() if n not in adapter.hot)
+        d = self._decide(view, session_endpoint)
+        if not serving:
+            return d if adapter is None or not self.config.adapter else Decision(
+                d.endpoint, d.reason, d.hit_blocks, "unlisted")
+        outcome = "hit" if d.endpoint in view.hot else "spill" if view.hot else "cold"
+        return Decision(d.endpoint, d.reason, d.hit_blocks, outcome)
+
+    def _decide(self, view: _View, session_endpoint: str | None) -> Decision:
         if not view.eligible:  # everyone is over the cap or full: still answer, the cheapest wins
             return self._cheapest(view, set(view.live), "fallback")
         home = self._home(view, session_endpoint)
         if home is None:
             return self._cheapest(view, view.eligible, "load")
-        if not self._should_spill(view, home.endpoint):
+        to = self._should_spill(view, home.endpoint)
+        if not to:
             return home
-        return self._spill(view, home.endpoint)
+        return self._spill(view, home.endpoint, to == "holders") or home
 
     def pick_many(self, loads: Sequence[EndpointLoad], n: int, weight: int = 1,
                   exclude: Iterable[str] = ()) -> list[Decision]:
@@ -261,23 +326,30 @@ class Picker:
         cost: dict[str, float] = {}
         eligible: set[str] = set()
         queues: set[str] = set()
+        queue_sum = kv_sum = 0.0
         if cfg.load:  # one pass, each replica's load read once (the cost, the cap and the queue rule share it)
             loads = [e.load for e in live]
             cap, full = self.cap(loads), cfg.kv_full
             qw, kw = cfg.queue_weight, cfg.kv_weight
+            room = math.inf if slots is None else slots
             for e, load in zip(live, loads, strict=True):
                 name, waiting, kv = e.name, e.waiting or 0.0, e.kv_usage
-                cost[name] = load + qw * waiting + kw * (kv or 0.0)  # `cost`, inline: this loop is a pick's O(replicas)
+                kv_f = kv or 0.0
+                cost[name] = load + qw * waiting + kw * kv_f  # `cost`, inline: this loop is a pick's O(replicas)
+                beyond = load - room  # requests past its slots (negative: free slots)
                 if load + 1.0 <= cap and (kv is None or kv < full):
                     eligible.add(name)
-                if waiting > 0 or (slots is not None and load + 1.0 > slots):
+                    queue_sum += waiting if waiting >= beyond else beyond  # `_View.queue`, inline
+                    kv_sum += kv_f
+                if waiting > 0 or beyond > -1.0:  # one more would wait
                     queues.add(name)
         else:
             for e in live:
                 cost[e.name] = float(e.inflight)
                 eligible.add(e.name)
         order = self._rendezvous([e.name for e in live], block_hashes) if cfg.prefix and block_hashes else {}
-        return _View({e.name: e for e in live}, eligible, cost, queues, cached if cfg.prefix else {}, order)
+        return _View({e.name: e for e in live}, eligible, cost, queues, cached if cfg.prefix else {}, order,
+                     slots, queue_sum, kv_sum)
 
     def _rendezvous(self, names: list[str], block_hashes: Sequence[bytes]) -> dict[str, tuple[int, int]]:
         """name -> (-weight, place in `names`): ascending is rendezvous_rank's order (ties in list order)."""
@@ -298,43 +370,76 @@ class Picker:
         return {n: (-weights[n], i) for i, n in enumerate(names)}
 
     def _home(self, v: _View, session_endpoint: str | None) -> Decision | None:
-        """Where affinity sends the request, load aside; None when there is nothing to route by."""
+        """Where affinity sends the request, load aside; None when there is nothing to route by.
+
+        An adapter's home is one of the replicas where it is hot; hot nowhere, it has none (the cheapest
+        replica that lists it then takes it)."""
         if self.config.session and session_endpoint in v.live:
             assert session_endpoint is not None
             return Decision(session_endpoint, "session", v.cached.get(session_endpoint, 0))
-        if not v.order:
+        pool: Collection[str] = v.hot if v.adapter else v.order
+        if not pool:
             return None
-        best = max((v.cached.get(n, 0) for n in v.cached if n in v.order), default=0)
+        if not v.order:  # an adapter, no prompt: its cheapest hot replica, as long as load allows
+            name = min(pool, key=lambda n: (n not in v.eligible, v.cost[n], n))
+            return Decision(name, "load", 0)
+        best = max((hit for n, hit in v.cached.items() if n in pool), default=0)
         if best > 0:
             # equal prefixes: any holder saves the same prefill; the eligible, cheapest one takes it (ties
             # go to the rendezvous order, the same in every router)
-            holders = [n for n, hit in v.cached.items() if hit == best and n in v.order]
+            holders = [n for n, hit in v.cached.items() if hit == best and n in pool]
             name = min(holders, key=lambda n: (n not in v.eligible, v.cost[n], v.rank(n)))
             return Decision(name, "prefix", best)
-        return Decision(min(v.order, key=v.order.__getitem__), "hash", 0)
+        return Decision(min(pool, key=v.rank), "hash", 0)
 
-    @staticmethod
-    def _should_spill(v: _View, home: str) -> bool:
+    def _should_spill(self, v: _View, home: str) -> str:
+        """Whether the request leaves its home: '' (no), 'any' (to any replica with room), or 'holders' (only
+        to one holding part of its prompt)."""
         if home not in v.eligible:
-            return True
-        return home in v.queues and any(n not in v.queues for n in v.eligible if n != home)
+            return "any"
+        if home in v.queues and any(n not in v.queues for n in v.eligible if n != home):
+            return "any"
+        # Past the mean queue by spill_margin (or KV usage by spill_kv_margin) the home spills, but only to
+        # a replica holding part of the prompt: it prefills the rest, and takes on no tenant it lacks.
+        return "holders" if self._over_mean(v, (home,)) else ""
 
-    def _spill(self, v: _View, home: str) -> Decision:
-        """The next-best target: no queue first, then the longest cached prefix, then the hash ranking."""
-        pool = [n for n in v.eligible if n != home]  # not empty: _should_spill said so
+    def _over_mean(self, v: _View, names: Iterable[str]) -> set[str]:
+        """Those of `names` whose queue or KV usage pass the eligible replicas' mean by the margins."""
+        if not self.config.load:
+            return set()
+        n, live, queue = len(v.eligible), v.live, v.queue
+        q_cap, kv_cap = v.queue_sum / n + self.config.spill_margin, v.kv_sum / n + self.config.spill_kv_margin
+        return {name for name in names if (live[name].kv_usage or 0.0) > kv_cap or queue(name) > q_cap}
+
+    def _spill(self, v: _View, home: str, holders: bool = False) -> Decision | None:
+        """The next-best target: no queue, an adapter's hot replica, then the longest cached prefix, then the
+        hash ranking, among the replicas not over the mean (`holders`: and holding part of the prompt); None
+        when none is a better place than the home."""
 
         def key(n: str) -> tuple:
             hit = v.cached.get(n, 0)
             # among equal positive prefixes the cheaper holder; with no prefix anywhere the ranking
             # alone, so that a tenant's second home is one replica, not whichever is idlest now
             tie = v.cost[n] if hit > 0 or not v.order else 0.0
-            return (n in v.queues, -hit, tie, v.rank(n), n)
+            return (n in v.queues, v.adapter and n not in v.hot, -hit, tie, v.rank(n), n)
 
-        name = min(pool, key=key)
+        others = [n for n in v.eligible if n != home and (not holders or v.cached.get(n, 0) > 0)]
+        if not others:
+            return None
+        name = min(others, key=key)
+        # over the mean too: moving from one long queue to another would pay the prefill for nothing (the
+        # best is rarely over it, so the others are looked at only then)
+        if self._over_mean(v, (name,)):
+            pool = [n for n in others if n not in self._over_mean(v, others)]
+            if pool:
+                name = min(pool, key=key)
+            elif home in v.eligible:
+                return None
         return Decision(name, "spill", v.cached.get(name, 0))
 
     def _cheapest(self, v: _View, names: set[str], reason: str) -> Decision:
-        name = min(names, key=lambda n: (v.cost[n], n))
+        # an adapter goes where it would not wait for an adapter slot first (queues holds those too)
+        name = min(names, key=lambda n: (v.adapter and n in v.queues, v.cost[n], n))
         return Decision(name, reason, v.cached.get(name, 0))
 
 

@@ -158,9 +158,16 @@ class PromptHasher:
             raise TypeError(f"the chat template gave {type(text).__name__}, not text")
         return text
 
-    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
-        """The engine's keys for these tokens: a salted prompt's blocks are its tenant's alone there too."""
-        return hash_prompt_blocks(token_ids, self.block_size, (cache_salt,) if cache_salt else ())
+    def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None,
+               adapter: str | None = None) -> list[bytes]:
+        """The engine's keys for these tokens: a salted prompt's blocks are its tenant's alone there too.
+
+        A LoRA adapter's prompt is keyed by the adapter as well (as the engine keeps adapters' KV apart),
+        in bytes, which no salt (a str) can equal: these keys are the router's own, not the engine's."""
+        extra: tuple = (cache_salt,) if cache_salt else ()
+        if adapter:
+            extra += (b"lora:" + adapter.encode(),)
+        return hash_prompt_blocks(token_ids, self.block_size, extra)
 
 
 def _completion_input(prompt: Any) -> PromptInput | None:

@@ -144,7 +144,7 @@ class Proxy:
                        att: _Attempts) -> web.StreamResponse | None:
         """One try on one replica: the response to send, or None to try the next replica."""
         st = self.state
-        st.dispatched(ep, d)
+        st.dispatched(ep, d, key)
         try:
             async with self.session.request(request.method, ep.url + request.path_qs, data=raw or None,
                                             headers=_forward_headers(request.headers),
@@ -168,7 +168,7 @@ class Proxy:
                 raise
             return self._failed(ep, att, "connect_error", f"{type(exc).__name__}: {exc}")
         finally:
-            st.add_inflight(ep.name, -1)
+            st.finished(ep, d, key)
 
     async def _refused(self, up: aiohttp.ClientResponse, ep: Endpoint, att: _Attempts) -> web.Response | None:
         body = await up.read()

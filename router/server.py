@@ -1,4 +1,5 @@
-"""The router's aiohttp application: /v1/* proxied, /health, /ready, /metrics; discovery and scrape tasks."""
+"""The router's aiohttp application: /v1/* proxied, /health, /ready, /metrics; discovery, load scrape and
+/v1/models poll tasks."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvpilot.listen import start_app
 from .endpoints import EndpointSet, SliceWatcher, parse_static
 from .kube import KubeClient, current_namespace
 from .metrics import CONTENT_TYPE, RouterMetrics
+from .models_poll import ModelsPoller
 from .picker import Picker, PickerConfig
 from .prompt import PromptHasher, Tokenizer, load_tokenizer
 from .proxy import Proxy, ProxyConfig
@@ -44,6 +46,7 @@ class RouterSettings:
     scrape_interval: float = 1.0
     scrape_timeout: float = 1.0
     metrics_path: str = "/metrics"
+    models_interval: float = 5.0  # seconds between polls of each replica's /v1/models (its LoRA adapters)
     tokenize_threads: int = 2  # worker threads that encode long prompts off the event loop (0: inline)
     tokenize_inline_chars: int = INLINE_CHARS  # shorter texts are encoded inline
     tokenize_max_pending: int | None = None  # long texts on the pool at most, then shed (None: per thread)
@@ -80,7 +83,7 @@ def build_app(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> w
 
 
 async def _background(app: web.Application):
-    """Client session, endpoint discovery and the load scrape: alive exactly as long as the app."""
+    """Client session, endpoint discovery, the load scrape and the models poll: alive exactly as long as the app."""
     s: RouterSettings = app[SETTINGS_KEY]
     endpoints: EndpointSet = app[ENDPOINTS_KEY]
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
@@ -88,9 +91,10 @@ async def _background(app: web.Application):
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     scraper = LoadScraper(endpoints, session, s.scrape_interval, s.scrape_timeout, s.metrics_path) \
         if s.picker.load else None
+    models = ModelsPoller(endpoints, session, s.models_interval, s.scrape_timeout) if s.picker.adapter else None
     tokens = TokenizePool(app[HASHER_KEY], s.tokenize_threads, s.tokenize_inline_chars, s.tokenize_max_pending)
     state = RouterState(endpoints, Picker(s.picker), app[HASHER_KEY], app[METRICS_KEY], scraper, s.index_blocks,
-                        s.session_source, s.session_capacity, tokens)
+                        s.session_source, s.session_capacity, tokens, models)
     app[STATE_KEY] = state
     app[PROXY_KEY] = Proxy(state, session, s.proxy)
     tasks: list[asyncio.Task] = []
@@ -104,6 +108,8 @@ async def _background(app: web.Application):
         tasks.append(asyncio.create_task(SliceWatcher(kube, ns, s.service, endpoints, s.port_name).run()))
     if scraper is not None:
         tasks.append(asyncio.create_task(scraper.run()))
+    if models is not None:
+        tasks.append(asyncio.create_task(models.run()))
     try:
         yield
     finally:

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .adapters import LoraInfo, adapter_targets
 from .endpoints import Endpoint, EndpointSet
 from .metrics import RouterMetrics
-from .picker import Decision, EndpointLoad, Picker
+from .models_poll import ModelsPoller
+from .picker import AdapterTargets, Decision, EndpointLoad, Picker
 from .prefix_index import PrefixIndex
 from .prompt import PromptHasher
 from .tokenize_pool import TokenizePool
 from .upstream_metrics import LoadScraper
+
+SERVED = ("hit", "spill", "cold")  # the adapter outcomes of a request sent to a replica that serves it
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class RouteKey:
     prompt_tokens: int = 0
     session: str | None = None
     tokenized: str = "none"  # where the prompt was encoded: none, inline, pool or shed (router/tokenize_pool.py)
+    model: str | None = None  # the body's `model`: the base model, or a LoRA adapter
 
 
 class SessionTable:
@@ -55,17 +60,21 @@ class RouterState:
     def __init__(self, endpoints: EndpointSet, picker: Picker, hasher: PromptHasher, metrics: RouterMetrics,
                  scraper: LoadScraper | None = None, index_blocks: int = 200_000,
                  session_source: str | None = None, session_capacity: int = 100_000,
-                 tokens: TokenizePool | None = None) -> None:
+                 tokens: TokenizePool | None = None, models: ModelsPoller | None = None) -> None:
         self.endpoints = endpoints
         self.picker = picker
         self.hasher = hasher
         self.tokens = tokens if tokens is not None else TokenizePool(hasher, threads=0)
         self.metrics = metrics
         self.scraper = scraper
+        self.models = models  # the replicas' /v1/models lists (None: adapter affinity off)
         self.index = PrefixIndex(index_blocks)
         self.session_source = session_source  # "user" or "header:<Name>" (None: off)
         self.sessions = SessionTable(session_capacity)
         self.inflight: dict[str, int] = {}
+        # endpoint -> adapter -> our requests for it in flight there: the adapter is hot there now, which
+        # the scrape tells only up to an interval later (a burst for a cold adapter would scatter meanwhile)
+        self.adapter_inflight: dict[str, dict[str, int]] = {}
         self.cooldown: dict[str, float] = {}  # endpoint -> monotonic time it may be picked again
         # the most requests a replica was seen running while others waited there: how many it runs at
         # once (the replicas of one deployment are alike), so a busy one is known before its queue shows
@@ -76,6 +85,8 @@ class RouterState:
     def _forget(self, ep: Endpoint) -> None:
         self.index.forget(ep.name)
         self.sessions.forget(ep.name)
+        if not any(self.adapter_inflight.get(ep.name, {}).values()):
+            self.adapter_inflight.pop(ep.name, None)
         if ep.name in self.inflight and not self.inflight[ep.name]:  # gone and idle: drop its series
             del self.inflight[ep.name]
             self.metrics.drop_endpoint(ep.name)
@@ -85,16 +96,23 @@ class RouterState:
     async def route_key(self, path: str, body: dict[str, Any] | None,
                         headers: Mapping[str, str]) -> RouteKey:
         session = self._session_key(body, headers)
+        model = (body or {}).get("model")
+        model = model if isinstance(model, str) and model else None
         if body is None or not self.picker.config.prefix:
-            return RouteKey(session=session)
+            return RouteKey(session=session, model=model)
         tokens = await self.tokens.token_ids(path, body)
         if tokens.where == "shed":  # counted here: a request held and refused never reaches decision_time
             self.metrics.tokenize_shed.inc()
         if not tokens.ids:
-            return RouteKey(session=session, tokenized=tokens.where)
+            return RouteKey(session=session, tokenized=tokens.where, model=model)
         salt = body.get("cache_salt")
-        hashes = self.hasher.hashes(tokens.ids, salt if isinstance(salt, str) else None)
-        return RouteKey(hashes, len(tokens.ids), session, tokens.where)
+        # an adapter's KV is its own on the replica: the same prompt under another adapter is no hit there
+        adapter = model if model is not None and self._is_adapter(model) else None
+        hashes = self.hasher.hashes(tokens.ids, salt if isinstance(salt, str) else None, adapter)
+        return RouteKey(hashes, len(tokens.ids), session, tokens.where, model)
+
+    def _is_adapter(self, model: str) -> bool:
+        return self.models is not None and model in self.models.adapters()
 
     def _session_key(self, body: dict[str, Any] | None, headers: Mapping[str, str]) -> str | None:
         src = self.session_source
@@ -120,31 +138,69 @@ class RouterState:
         """A replica refused (503, draining) or could not be reached: skip it until its slice catches up."""
         self.cooldown[name] = time.monotonic() + seconds
 
-    def _cooling(self, exclude: set[str]) -> set[str]:
+    def _cooling(self, exclude: set[str], among: Collection[str] = ()) -> set[str]:
         if not self.cooldown:
             return exclude
         now = time.monotonic()
         for n in [n for n, t in self.cooldown.items() if t <= now]:
             del self.cooldown[n]
         cooling = exclude | self.cooldown.keys()
-        # all cooling: try them anyway rather than refuse (the cooldown is a guess)
-        return cooling if any(ep.name not in cooling for ep in self.endpoints.all()) else exclude
+        # all cooling (of the replicas that may take it): try them anyway rather than refuse (the cooldown
+        # is a guess)
+        names = [ep.name for ep in self.endpoints.all() if not among or ep.name in among]
+        return cooling if any(n not in cooling for n in names) else exclude
+
+    def adapter_targets(self, model: str | None) -> AdapterTargets | None:
+        """Where the request's adapter can run; None for the base model, or with adapter affinity off."""
+        if self.models is None or model is None:
+            return None
+        lists = self.models.fresh()
+        if not lists or (model not in self.models.adapters() and any(model in m.bases for m in lists.values())):
+            return None  # the base model (the common case, answered without looking at the scrapes)
+        lora: dict[str, LoraInfo] = {}
+        if self.scraper is not None:
+            now = time.monotonic()
+            for name in lists:
+                s = self.scraper.fresh(name, now)
+                if s is not None and s.lora is not None:
+                    lora[name] = s.lora
+        return adapter_targets(model, lists, lora, self.adapter_inflight)
 
     def choose(self, key: RouteKey, exclude: set[str]) -> tuple[Endpoint, Decision] | None:
         names = [ep.name for ep in self.endpoints.all()]
         cached = self.index.match(key.hashes, names) if key.hashes else {}
+        targets = self.adapter_targets(key.model)
+        among = targets.serving if targets is not None else ()
         d = self.picker.pick(self.loads(), key.hashes, cached, self.sessions.get(key.session),
-                             self._cooling(exclude), self.slots)
+                             self._cooling(exclude, among), self.slots, targets)
         if d is None:
             return None
         ep = self.endpoints.get(d.endpoint)
         assert ep is not None
         return ep, d
 
-    def dispatched(self, ep: Endpoint, d: Decision) -> None:
+    def dispatched(self, ep: Endpoint, d: Decision, key: RouteKey | None = None) -> None:
         """An attempt goes to `ep`: count the decision and the request in flight there."""
         self.metrics.decided(d.reason)
+        if d.adapter:
+            self.metrics.adapter_decided(d.adapter)
         self.add_inflight(ep.name, 1)
+        self._adapter_inflight(ep.name, d, key, 1)
+
+    def finished(self, ep: Endpoint, d: Decision, key: RouteKey | None = None) -> None:
+        """The attempt on `ep` is over (answered, refused or failed)."""
+        self._adapter_inflight(ep.name, d, key, -1)
+        self.add_inflight(ep.name, -1)
+
+    def _adapter_inflight(self, name: str, d: Decision, key: RouteKey | None, delta: int) -> None:
+        if d.adapter not in SERVED or key is None or key.model is None:
+            return
+        per = self.adapter_inflight.setdefault(name, {})
+        n = per[key.model] = per.get(key.model, 0) + delta
+        if n <= 0:
+            del per[key.model]
+            if not per:
+                del self.adapter_inflight[name]
 
     def accepted(self, key: RouteKey, ep: Endpoint, d: Decision) -> None:
         """`ep` took the request (no 429/503): it will hold the prompt's blocks, and the session is its."""

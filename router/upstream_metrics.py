@@ -1,4 +1,4 @@
-"""Periodic scrape of each replica's /metrics (KV usage, waiting, running), kept with its age.
+"""Periodic scrape of each replica's /metrics (KV usage, waiting, running, adapter slots), kept with its age.
 
 The parsing is kvpilot.common.metrics_text's, as the operator's (operator/scrape.py): both read the daemons
 the same way.
@@ -15,6 +15,7 @@ import aiohttp
 
 from kvpilot.common.metrics_text import DEFAULT_NAMES, ScrapeError, parse_metrics
 
+from .adapters import LoraInfo, parse_lora_info
 from .endpoints import Endpoint, EndpointSet
 
 log = logging.getLogger("kvpilot.router.scrape")
@@ -26,6 +27,7 @@ class Sample:
     waiting: float
     running: float
     at: float  # time.monotonic() of the scrape
+    lora: LoraInfo | None = None  # vllm:lora_requests_info (None: the page has none)
 
 
 class LoadScraper:
@@ -58,13 +60,14 @@ class LoadScraper:
                     raise ScrapeError(f"HTTP {resp.status}")
                 text = await resp.text()
             ps = parse_metrics(text, DEFAULT_NAMES)
+            lora = parse_lora_info(text)
         except (ScrapeError, TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             self.errors[ep.name] = f"{type(exc).__name__}: {exc}"
             self.samples.pop(ep.name, None)  # no data beats old data
             return
         self.errors.pop(ep.name, None)
         if self.endpoints.get(ep.name) == ep:  # it may have left while we waited
-            self.samples[ep.name] = Sample(ps.kv_cache_usage, ps.waiting, ps.running, time.monotonic())
+            self.samples[ep.name] = Sample(ps.kv_cache_usage, ps.waiting, ps.running, time.monotonic(), lora)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape_one(ep) for ep in self.endpoints.all()))

@@ -27,6 +27,16 @@ def test_flags_become_settings():
     assert settings_from_args(ns).tokenize_max_pending == 0
 
 
+def test_spill_and_adapter_flags_become_settings():
+    s = settings_from_args(build_parser().parse_args(["--endpoints", "127.0.0.1:1"]))
+    assert (s.picker.spill_margin, s.picker.spill_kv_margin, s.picker.adapter, s.models_interval) == (2.0, 0.5, True, 5.0)
+    ns = build_parser().parse_args(["--endpoints", "127.0.0.1:1", "--spill-margin", "inf", "--spill-kv-margin", "0.25",
+                                    "--no-adapter-affinity", "--models-interval", "30"])
+    s = settings_from_args(ns)
+    assert s.picker.spill_margin == float("inf") and s.picker.spill_kv_margin == 0.25
+    assert not s.picker.adapter and s.models_interval == 30.0
+
+
 def test_environment_sets_defaults_and_flags_win(monkeypatch):
     monkeypatch.setenv("KVPILOT_ROUTER_SERVICE", "llm")
     monkeypatch.setenv("KVPILOT_ROUTER_LOAD", "false")
@@ -41,7 +51,9 @@ def test_environment_sets_defaults_and_flags_win(monkeypatch):
 @pytest.mark.parametrize("argv", [[], ["--endpoints", "x:1", "--session", "cookie"],
                                   ["--endpoints", "x:1", "--tokenize-threads", "-1"],
                                   ["--endpoints", "x:1", "--tokenize-max-pending", "-1"],
-                                  ["--endpoints", "x:1", "--replica-slots", "0"]])
+                                  ["--endpoints", "x:1", "--replica-slots", "0"],
+                                  ["--endpoints", "x:1", "--spill-margin", "-1"],
+                                  ["--endpoints", "x:1", "--models-interval", "0"]])
 def test_bad_arguments_are_refused(argv, monkeypatch):
     monkeypatch.delenv("KVPILOT_ROUTER_SERVICE", raising=False)
     monkeypatch.delenv("KVPILOT_ROUTER_ENDPOINTS", raising=False)

@@ -180,3 +180,73 @@ def test_state_learns_slots_from_replicas_that_queue():
     scraper.samples = {n: Sample(0.1, waiting=0, running=4 if n == RANK[0] else 0, at=now) for n in NAMES}
     chosen = state.choose(RouteKey(H, 64), set())
     assert chosen is not None and (chosen[0].name, chosen[1].reason) == (RANK[1], "spill")
+
+
+def test_a_queue_every_replica_has_spills_to_another_holder_once_the_home_passes_the_mean_by_the_margin():
+    """All replicas run all their slots, so none would start the request at once: the home keeps it until
+    its queue is `spill_margin` above the mean, then it spills to a replica holding part of the prompt (a
+    cheap prefill there), never to one without any of it (a whole prefill, and one tenant more there)."""
+    home, holder = RANK[0], RANK[2]
+
+    def loads(home_waiting: float) -> list[EndpointLoad]:
+        return [load(n, running=4, waiting=home_waiting if n == home else 0) for n in NAMES]
+
+    p = Picker(PickerConfig(load_cap=10))
+    # the mean is waiting / 4, so the home's excess is 3/4 of its queue; the margin is 2
+    for waiting, to in ((0, home), (2, home), (3, holder), (20, holder)):
+        d = p.pick(loads(waiting), H, {home: 4, holder: 2}, slots=4)
+        assert d is not None and (d.endpoint, d.reason) == (to, "prefix" if to == home else "spill"), (waiting, d)
+        d = p.pick(loads(waiting), H, {home: 4}, slots=4)
+        assert d is not None and (d.endpoint, d.reason) == (home, "prefix"), (waiting, d)  # no other holder
+    # a wider margin holds the tenant longer; an infinite one is the rule off
+    d = Picker(PickerConfig(load_cap=10, spill_margin=3)).pick(loads(4), H, {home: 4, holder: 2}, slots=4)
+    assert d is not None and d.endpoint == home  # an excess of 3 is not above 3
+    d = Picker(PickerConfig(load_cap=10, spill_margin=math.inf)).pick(loads(20), H, {home: 4, holder: 2}, slots=4)
+    assert d is not None and (d.endpoint, d.reason) == (home, "prefix")
+
+
+def test_the_queue_counts_our_fresh_requests_beyond_the_slots_before_the_scrape_shows_them():
+    # no scrape yet (or a stale one): 7 of ours at the home with 4 slots is a queue of 3, 2.25 above the mean
+    loads = [EndpointLoad(RANK[0], inflight=7)] + [EndpointLoad(n, inflight=4) for n in RANK[1:]]
+    cached = {RANK[0]: 4, RANK[2]: 1}
+    d = Picker(PickerConfig(load_cap=10)).pick(loads, H, cached, slots=4)
+    assert d is not None and (d.endpoint, d.reason) == (RANK[2], "spill")
+    # without slots known only a scraped queue counts: this home stays
+    d = Picker(PickerConfig(load_cap=10)).pick(loads, H, cached)
+    assert d is not None and d.endpoint == RANK[0]
+
+
+def test_kv_usage_far_above_the_mean_spills_and_moderate_usage_does_not():
+    home, holder = RANK[0], RANK[3]
+    for kv, spills in ((0.3, False), (0.6, False), (0.7, True), (0.9, True)):  # over kv / 4 + 0.5 from 2/3 on
+        loads = [load(n, running=1, kv=kv if n == home else 0.0) for n in NAMES]
+        d = Picker(PickerConfig(load_cap=10)).pick(loads, H, {home: 4, holder: 1})
+        assert d is not None and (d.endpoint, d.reason) == ((holder, "spill") if spills else (home, "prefix")), kv
+
+
+def test_a_spill_never_goes_to_a_replica_over_the_mean_even_one_holding_more_of_the_prefix():
+    # queues 9, 6, 0, 0: mean 3.75, so both the home and the longer holder are over it by 2
+    home, holder, short = RANK[0], RANK[1], RANK[2]
+    loads = [load(home, running=4, waiting=9), load(holder, running=4, waiting=6), load(short, running=4),
+             load(RANK[3], running=4)]
+    cached = {home: 4, holder: 3, short: 1}
+    d = Picker(PickerConfig(load_cap=10)).pick(loads, H, cached, slots=4)
+    assert d is not None and (d.endpoint, d.reason, d.hit_blocks) == (short, "spill", 1)
+    # with the longer holder under it, it is the better target: it has more of the prompt
+    loads[1] = load(holder, running=4, waiting=1)
+    d = Picker(PickerConfig(load_cap=10)).pick(loads, H, cached, slots=4)
+    assert d is not None and (d.endpoint, d.reason, d.hit_blocks) == (holder, "spill", 3)
+    # no holder under it: the home keeps the request
+    del cached[short]
+    loads[1] = load(holder, running=4, waiting=6)
+    d = Picker(PickerConfig(load_cap=10)).pick(loads, H, cached, slots=4)
+    assert d is not None and (d.endpoint, d.reason) == (home, "prefix")
+
+
+def test_spill_margins_are_validated():
+    for bad in ({"spill_margin": -1}, {"spill_kv_margin": -0.1}, {"spill_margin": math.nan}):
+        try:
+            PickerConfig(**bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} was accepted")

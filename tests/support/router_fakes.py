@@ -1,7 +1,9 @@
 """A tiny real aiohttp upstream that speaks the daemon's shapes: for the router's tests and its bench.
 
 It answers /v1/chat/completions and /v1/completions (streamed or not), /v1/models and /metrics, and
-can be told to refuse (503 draining, 429), or to die in the middle of a stream.
+can be told to refuse (503 draining, 429), or to die in the middle of a stream. It serves the base model
+`m` and the LoRA adapters it is told to list (vLLM's shapes: a /v1/models entry with `parent`, the
+`vllm:lora_requests_info` series); any other model name gets the daemon's 404.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class ReplicaBehaviour:
     kv: float = 0.0
     waiting: float = 0.0
     running: float = 0.0
+    adapters: tuple[str, ...] = ()  # listed in /v1/models with parent "m", and served
+    max_lora: int = 0
+    lora_running: tuple[str, ...] = ()  # vllm:lora_requests_info's running_lora_adapters
+    lora_waiting: tuple[str, ...] = ()
 
 
 @dataclass
@@ -55,6 +61,11 @@ class FakeReplica:
         body = await request.json()
         self.requests.append(body)
         b = self.behaviour
+        model = body.get("model")
+        if model is not None and model != "m" and model not in b.adapters:
+            return web.json_response({"error": {"message": f"The model `{model}` does not exist.",
+                                                "type": "invalid_request_error", "param": "model",
+                                                "code": "model_not_found"}}, status=404)
         if b.status is not None:
             headers = {"Retry-After": b.retry_after} if b.retry_after else {}
             code = "draining" if b.status == 503 else "rate_limited"
@@ -106,12 +117,16 @@ class FakeReplica:
         b = self.behaviour
         text = (f'vllm:kv_cache_usage_perc{{model_name="m"}} {b.kv}\n'
                 f'vllm:num_requests_waiting{{model_name="m"}} {b.waiting}\n'
-                f'vllm:num_requests_running{{model_name="m"}} {b.running}\n')
+                f'vllm:num_requests_running{{model_name="m"}} {b.running}\n'
+                f'vllm:lora_requests_info{{max_lora="{b.max_lora}",running_lora_adapters="{",".join(b.lora_running)}",'
+                f'waiting_lora_adapters="{",".join(b.lora_waiting)}"}} {time.time()}\n')
         return web.Response(text=text, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:  # noqa: ARG002 - handler signature
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
-                                                              "owned_by": self.name}]})
+        cards = [{"id": "m", "object": "model", "created": 0, "owned_by": self.name, "root": "m", "parent": None}]
+        cards += [{"id": a, "object": "model", "created": 0, "owned_by": self.name, "root": f"/adapters/{a}",
+                   "parent": "m"} for a in self.behaviour.adapters]
+        return web.json_response({"object": "list", "data": cards})
 
     async def start(self) -> FakeReplica:
         app = web.Application()
