@@ -1,10 +1,10 @@
 """Multi-LoRA serving on SmolLM2-135M: the 96-request workload of bench/peers.py spread over 4 adapters,
 against the base model alone, in the same run.
 
-One engine started with enable_lora (max_loras 4) runs the workload twice per repetition: every request on
-the base, then each request on one of 4 rank-16 adapters of all seven projections (round-robin); a second
-engine without enable_lora runs it on the base too, so the cost of merely enabling LoRA shows. Runs
-alternate, so drift on this shared machine hits all three alike. Greedy, EOS ignored: every run computes the
+Three kinds of run, each in a fresh process (one engine per process), alternating so that drift on this
+shared machine hits them alike: the base with LoRA off; the base with LoRA on (max_loras 4), which shows the
+cost of merely enabling it; and each request on one of 4 rank-16 adapters of all seven projections
+(round-robin). Greedy, EOS ignored: every run computes the
 same number of tokens. Also the memory: the adapters and their device slots, against 4 merged copies of the
 model served as 4 deployments.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,21 +64,41 @@ def write_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pa
     return folders
 
 
-def timed(llm: Any, work: list[tuple[list[int], int]], loras: list[Any]) -> dict[str, float]:
-    from kvpilot.daemon.engine import SamplingParams
+RUNS = ("base_lora_off", "base_lora_on", "four_adapters")
 
+
+def child(run: str, adapters_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One timed run in a fresh process (one engine per process: kernel settings are the process's)."""
+    import torch
+
+    from kvpilot.daemon.engine import LLM, LoRARequest, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    settings: dict[str, Any] = {"dtype": args.dtype, "quantization": "none", "max_num_seqs": 256,
+                                "max_num_batched_tokens": 2048}
+    if run != "base_lora_off":
+        settings.update(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    work = make_workload("w96")
+    llm = LLM(MODEL, **settings)
+    warm_up_kvpilot(llm, work[0][0])
+    loras: list[Any] = [None] * len(work)
+    result: dict[str, Any] = {}
+    if run == "four_adapters":
+        adapters = [LoRARequest(f"adapter{i}", i + 1, str(adapters_dir / f"adapter{i}")) for i in range(args.adapters)]
+        llm.generate([{"prompt_token_ids": work[0][0]}] * len(adapters), use_tqdm=False, lora_request=adapters)
+        llm.engine.reset_prefix_cache()
+        loras = [adapters[i % len(adapters)] for i in range(len(work))]
+        manager = llm.engine.runner.lora
+        result["adapter_host_bytes"] = sum(a.nbytes for a in manager.cpu.values())
+        result["slot_bytes"] = sum(t.numel() * t.element_size() for sl in manager.layers.values()
+                                   for t in (sl.a, sl.b) if t is not None)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in work]
-    llm.engine.reset_prefix_cache()
     t0 = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False, lora_request=loras)
     sec = time.perf_counter() - t0
     tok = sum(len(r.outputs[0].token_ids) for r in res)
-    return {"seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec}
-
-
-def slot_bytes(llm: Any) -> int:
-    manager = llm.engine.runner.lora
-    return sum(t.numel() * t.element_size() for s in manager.layers.values() for t in (s.a, s.b) if t is not None)
+    return {**result, "seconds": sec, "output_tokens": tok, "output_tokens_per_s": tok / sec,
+            "base_weight_bytes": llm.engine.loaded.weight_bytes}
 
 
 def main() -> None:
@@ -88,33 +109,28 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/lora.json")
+    ap.add_argument("--child", choices=RUNS, help=argparse.SUPPRESS)
+    ap.add_argument("--adapters-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.adapters_dir, args)))
+        return
 
-    import torch
+    from kvpilot.common.model_source import resolve_model_path
 
-    from kvpilot.daemon.engine import LLM, LoRARequest
-
-    torch.set_num_threads(args.threads)
-    settings = {"dtype": args.dtype, "quantization": "none", "max_num_seqs": 256, "max_num_batched_tokens": 2048}
-    work = make_workload("w96")
-    plain = LLM(MODEL, **settings)
-    llm = LLM(MODEL, **settings, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    runs: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
     with tempfile.TemporaryDirectory() as tmp:
-        folders = write_adapters(llm.engine.loaded.path, Path(tmp), args.adapters, args.rank)
-        adapters = [LoRARequest(f"adapter{i}", i + 1, str(f)) for i, f in enumerate(folders)]
-        spread = [adapters[i % len(adapters)] for i in range(len(work))]
-        for engine in (plain, llm):
-            warm_up_kvpilot(engine, work[0][0])
-        llm.generate([{"prompt_token_ids": work[0][0]}] * len(adapters), use_tqdm=False, lora_request=adapters)
-        runs: dict[str, list[dict[str, float]]] = {"base_lora_off": [], "base_lora_on": [], "four_adapters": []}
-        for _ in range(args.reps):
-            runs["base_lora_off"].append(timed(plain, work, [None] * len(work)))
-            runs["base_lora_on"].append(timed(llm, work, [None] * len(work)))
-            runs["four_adapters"].append(timed(llm, work, spread))
-        adapter_bytes = sum(a.nbytes for a in llm.engine.runner.lora.cpu.values())
-        slots = slot_bytes(llm)
+        write_adapters(resolve_model_path(MODEL), Path(tmp), args.adapters, args.rank)
+        for _ in range(args.reps):  # alternating, so drift hits every kind of run alike
+            for run in RUNS:
+                cmd = [sys.executable, __file__, "--child", run, "--adapters-dir", tmp, "--rank", str(args.rank),
+                       "--adapters", str(args.adapters), "--threads", str(args.threads), "--dtype", args.dtype]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                runs[run].append(json.loads(out.strip().splitlines()[-1]))
+                print(run, f"{runs[run][-1]['output_tokens_per_s']:.1f} tok/s", flush=True)
     rate = {k: statistics.median(r["output_tokens_per_s"] for r in v) for k, v in runs.items()}
-    weights = llm.engine.loaded.weight_bytes
+    four = runs["four_adapters"][0]
+    weights, adapter_bytes, slots = four["base_weight_bytes"], four["adapter_host_bytes"], four["slot_bytes"]
     result = {
         "model": MODEL, "dtype": args.dtype, "threads": args.threads, "workload": "w96", "adapters": args.adapters,
         "rank": args.rank, "targets": list(TARGETS), "runs": runs, "median_output_tokens_per_s": rate,
@@ -124,7 +140,7 @@ def main() -> None:
                    "one_deployment_with_adapters": weights + adapter_bytes + slots,
                    "merged_models_as_deployments": args.adapters * weights,
                    "saved_fraction": 1 - (weights + adapter_bytes + slots) / (args.adapters * weights)},
-        "command": "python " + " ".join(sys.argv),
+        "command": "python bench/lora.py " + " ".join(sys.argv[1:]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

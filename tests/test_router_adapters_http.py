@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.router.endpoints import Endpoint, EndpointSet
 from kvpilot.router.models_poll import ModelsPoller
@@ -18,7 +17,7 @@ from kvpilot.router.picker import PickerConfig
 from kvpilot.router.prompt import ByteTokenizer
 from kvpilot.router.proxy import ProxyConfig
 from kvpilot.router.server import RouterSettings, router_state
-from support.router_fakes import FakeReplica, RouterServer
+from support.router_fakes import FakeReplica, RouterServer, router_metric, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,18 +32,6 @@ async def three() -> AsyncIterator[list[FakeReplica]]:
         await r.stop()
 
 
-async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-async def metric(rs: RouterServer, name: str, **labels: str) -> float:
-    async with aiohttp.ClientSession() as s, s.get(rs.url + "/metrics") as r:
-        text = await r.text()
-    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
-               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
 
 
 async def test_adapter_requests_go_where_the_adapter_is_and_spill_when_it_queues(three):
@@ -74,23 +61,23 @@ async def test_adapter_requests_go_where_the_adapter_is_and_spill_when_it_queues
         # sql is hot on r0: every sql prompt goes there, whatever its hash says
         for i in range(4):
             assert (await ask("sql", f"sales in week {i}"))[0] == name["r0"]
-        assert await metric(rs, "kvpilot:router_adapter_decisions_total", outcome="cold") == 3
-        assert await metric(rs, "kvpilot:router_adapter_decisions_total", outcome="hit") == 4
+        assert await router_metric(rs, "kvpilot:router_adapter_decisions_total", outcome="cold") == 3
+        assert await router_metric(rs, "kvpilot:router_adapter_decisions_total", outcome="hit") == 4
         # r0 now queues: the next sql request spills to r1, which lists sql and has room
         r0.behaviour.running, r0.behaviour.waiting = 4, 3
         scraper = state.scraper
         await until(lambda: getattr(scraper.fresh(name["r0"]), "waiting", None) == 3, "r0's queue")
         assert await ask("sql", "sales in week 9") == (name["r1"], "spill")
-        assert await metric(rs, "kvpilot:router_adapter_decisions_total", outcome="spill") == 1
+        assert await router_metric(rs, "kvpilot:router_adapter_decisions_total", outcome="spill") == 1
         assert all(b.get("model") not in ("sql", "chat") for b in r2.requests)  # a 404 there, never sent
         # a name no replica lists is forwarded as any model's; the replica's own 404 reaches the client
         with pytest.raises(openai.NotFoundError) as err:
             await ask("nope", "hello")
         assert "`nope` does not exist" in str(err.value)
-        assert await metric(rs, "kvpilot:router_adapter_decisions_total", outcome="unlisted") == 1
+        assert await router_metric(rs, "kvpilot:router_adapter_decisions_total", outcome="unlisted") == 1
         # the base model routes as before, counted under no adapter outcome
         assert (await ask("m", "hello"))[1] in ("hash", "prefix", "spill")
-        assert await metric(rs, "kvpilot:router_adapter_decisions_total") == 9
+        assert await router_metric(rs, "kvpilot:router_adapter_decisions_total") == 9
     finally:
         await c.close()
         await rs.stop()

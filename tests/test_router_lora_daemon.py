@@ -4,14 +4,11 @@ daemons' own /v1/models and vllm:lora_requests_info, and sends the adapter only 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.common.model_source import resolve_model_path
 from kvpilot.router.prompt import load_tokenizer
@@ -19,7 +16,7 @@ from kvpilot.router.server import RouterSettings, router_state
 from support.daemon_process import DaemonProcess
 from support.lora_adapters import write_adapter
 from support.lora_daemon import Skeleton
-from support.router_fakes import RouterServer
+from support.router_fakes import RouterServer, router_metric, until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,18 +45,6 @@ async def routed(daemons) -> AsyncIterator[RouterServer]:
     await rs.stop()
 
 
-async def until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-async def metric(rs: RouterServer, name: str, **labels: str) -> float:
-    async with aiohttp.ClientSession() as s, s.get(rs.url + "/metrics") as r:
-        text = await r.text()
-    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
-               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
 
 
 async def test_adapter_requests_reach_only_the_daemon_that_serves_the_adapter(daemons, routed):
@@ -69,7 +54,7 @@ async def test_adapter_requests_reach_only_the_daemon_that_serves_the_adapter(da
     state = router_state(routed.app)
     assert state.models is not None and state.scraper is not None
     models, scraper = state.models, state.scraper
-    await until(lambda: len(models.fresh()) == 2, "both daemons' /v1/models")
+    await until(lambda: len(models.fresh()) == 2, "both daemons' /v1/models", timeout=30.0)
     lists = models.fresh()
     assert lists[lora_name].adapters == {"sql"} and "smollm2-135m" in lists[lora_name].bases
     assert lists[plain_name].adapters == frozenset() and "smollm2-135m" in lists[plain_name].bases
@@ -78,9 +63,9 @@ async def test_adapter_requests_reach_only_the_daemon_that_serves_the_adapter(da
         for i in range(3):
             raw = await c.completions.with_raw_response.create(model="sql", prompt=f"SELECT {i} FROM", max_tokens=2)
             assert raw.headers["x-kvpilot-endpoint"] == lora_name
-        served = sum([await metric(routed, "kvpilot:router_adapter_decisions_total", outcome=o)
+        served = sum([await router_metric(routed, "kvpilot:router_adapter_decisions_total", outcome=o)
                       for o in ("hit", "cold", "spill")])
-        assert served == 3 and await metric(routed, "kvpilot:router_adapter_decisions_total", outcome="unlisted") == 0
+        assert served == 3 and await router_metric(routed, "kvpilot:router_adapter_decisions_total", outcome="unlisted") == 0
         # while a long request for it runs, the daemon's lora metric shows the adapter hot, as the router reads it
         running = asyncio.create_task(c.completions.create(model="sql", prompt="SELECT name FROM", max_tokens=48,
                                                            extra_body={"ignore_eos": True}))
@@ -89,12 +74,12 @@ async def test_adapter_requests_reach_only_the_daemon_that_serves_the_adapter(da
             s = scraper.fresh(lora_name)
             return s is not None and s.lora is not None and "sql" in s.lora.hot
 
-        await until(hot, "sql in the daemon's vllm:lora_requests_info")
+        await until(hot, "sql in the daemon's vllm:lora_requests_info", timeout=30.0)
         assert scraper.fresh(lora_name).lora.max_lora == 1  # type: ignore[union-attr]
         await running
         # the base model is served by both: the router routes it as before, counted under no adapter outcome
         for i in range(2):
             await c.completions.create(model="smollm2-135m", prompt=f"Hello {i}", max_tokens=2)
-        assert await metric(routed, "kvpilot:router_adapter_decisions_total") == 4
+        assert await router_metric(routed, "kvpilot:router_adapter_decisions_total") == 4
     finally:
         await c.close()

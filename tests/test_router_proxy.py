@@ -9,14 +9,13 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.router.endpoints import Endpoint
 from kvpilot.router.picker import PickerConfig
 from kvpilot.router.prompt import ByteTokenizer
 from kvpilot.router.proxy import ProxyConfig
 from kvpilot.router.server import ENDPOINTS_KEY, RouterSettings, router_state
-from support.router_fakes import FakeReplica, RouterServer, SlowTokenizer
+from support.router_fakes import FakeReplica, RouterServer, SlowTokenizer, router_metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,16 +63,6 @@ def client(rs: RouterServer) -> openai.AsyncOpenAI:
     return c
 
 
-async def metric(rs: RouterServer, name: str, **labels: str) -> float:
-    async with aiohttp.ClientSession() as s, s.get(rs.url + "/metrics") as r:
-        text = await r.text()
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()):
-                total += smp.value
-    return total
-
 
 def served(reps: list[FakeReplica]) -> list[int]:
     return [len(r.requests) for r in reps]
@@ -91,8 +80,8 @@ async def test_shared_prefix_sticks_and_two_routers_agree(three):
             raw = await c.chat.completions.with_raw_response.create(model="m", messages=chat(f"question {i}"))
             assert raw.headers["x-kvpilot-endpoint"] == owner
         assert sorted(served(three)) == [0, 0, 5]
-        assert await metric(r1, "kvpilot:router_decisions_total", reason="prefix") == 2
-        assert await metric(r1, "kvpilot:router_prefix_hit_tokens_total") > 0
+        assert await router_metric(r1, "kvpilot:router_decisions_total", reason="prefix") == 2
+        assert await router_metric(r1, "kvpilot:router_prefix_hit_tokens_total") > 0
     finally:
         await r1.stop()
         await r2.stop()
@@ -141,7 +130,7 @@ async def test_503_draining_is_retried_once_on_another_replica(three):
         owner.behaviour.status = 503
         raw = await c.chat.completions.with_raw_response.create(model="m", messages=chat("y"), stream=False)
         assert raw.headers["x-kvpilot-endpoint"] != first.headers["x-kvpilot-endpoint"]
-        assert await metric(rs, "kvpilot:router_retries_total", cause="503") == 1
+        assert await router_metric(rs, "kvpilot:router_retries_total", cause="503") == 1
         for r in three:
             r.behaviour.status = 503
         with pytest.raises(openai.APIStatusError) as err:
@@ -165,7 +154,7 @@ async def test_connect_error_is_retried(three):
             raw = await c.completions.with_raw_response.create(model="m", prompt=f"{i} distinct prompt " * 3)
             assert raw.headers["x-kvpilot-endpoint"] != dead_url.removeprefix("http://")
         # tried once, then cooled down
-        assert await metric(rs, "kvpilot:router_retries_total", cause="connect_error") == 1
+        assert await router_metric(rs, "kvpilot:router_retries_total", cause="connect_error") == 1
     finally:
         await rs.stop()
 
@@ -181,7 +170,7 @@ async def test_stream_cut_by_replica_ends_with_an_error_event(three):
             async for chunk in stream:
                 got.append(chunk)  # noqa: PERF401 - keep what arrived before the error
         assert len(got) == 1  # the chunk the replica did send arrived; then the error, not silence
-        assert await metric(rs, "kvpilot:router_stream_errors_total") == 1
+        assert await router_metric(rs, "kvpilot:router_stream_errors_total") == 1
         assert sum(served(three)) == 1  # a stream that started is never retried
     finally:
         await rs.stop()
@@ -200,8 +189,8 @@ async def test_a_replica_dying_before_the_first_token_is_retried(three):
         stream = await client(rs).chat.completions.create(model="m", messages=chat("hi"), stream=True)
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert text and owner.name not in text  # another replica answered, in full
-        assert await metric(rs, "kvpilot:router_retries_total", cause="connect_error") == 1
-        assert await metric(rs, "kvpilot:router_stream_errors_total") == 0
+        assert await router_metric(rs, "kvpilot:router_retries_total", cause="connect_error") == 1
+        assert await router_metric(rs, "kvpilot:router_stream_errors_total") == 0
     finally:
         await rs.stop()
 
@@ -236,14 +225,14 @@ async def test_no_replica_holds_then_serves_or_times_out(three):
         held = [asyncio.create_task(client(rs).chat.completions.create(model="m", messages=chat(f"h{i}")))
                 for i in range(3)]
         for _ in range(40):  # until all three arrived: two held, the third found the queue full
-            if await metric(rs, "kvpilot:router_held_timeouts_total", reason="full") == 1:
+            if await router_metric(rs, "kvpilot:router_held_timeouts_total", reason="full") == 1:
                 break
             await asyncio.sleep(0.02)
-        assert await metric(rs, "kvpilot:router_held_requests") == 2
+        assert await router_metric(rs, "kvpilot:router_held_requests") == 2
         eps.replace([Endpoint(three[0].url.removeprefix("http://"), three[0].url)])
         results = await asyncio.gather(*held, return_exceptions=True)
         assert sum(not isinstance(r, Exception) for r in results) == 2
-        assert await metric(rs, "kvpilot:router_held_requests") == 0
+        assert await router_metric(rs, "kvpilot:router_held_requests") == 0
     finally:
         await rs.stop()
 
@@ -278,7 +267,7 @@ async def test_session_mode_keys_on_user(three):
                 model="m", messages=[{"role": "user", "content": f"turn {i}"}], user="alice")
             seen.add(raw.headers["x-kvpilot-endpoint"])
         assert len(seen) == 1
-        assert await metric(rs, "kvpilot:router_decisions_total", reason="session") == 3
+        assert await router_metric(rs, "kvpilot:router_decisions_total", reason="session") == 3
     finally:
         await rs.stop()
 
@@ -292,7 +281,7 @@ async def test_models_and_probes(three):
             for path in ("/health", "/ready"):
                 async with s.get(rs.url + path) as r:
                     assert r.status == 200
-        assert await metric(rs, "kvpilot:router_ready_endpoints") == 3
+        assert await router_metric(rs, "kvpilot:router_ready_endpoints") == 3
     finally:
         await rs.stop()
 
@@ -334,7 +323,7 @@ async def test_a_refusing_replica_cools_down_for_new_requests(three):
         for i in range(6):
             await c.completions.create(model="m", prompt=f"p{i}")
         assert len(three[0].requests) == 1  # asked once, then skipped while cooling
-        assert await metric(rs, "kvpilot:router_retries_total", cause="503") == 1
+        assert await router_metric(rs, "kvpilot:router_retries_total", cause="503") == 1
     finally:
         await rs.stop()
 
@@ -393,7 +382,7 @@ async def test_a_slow_tokenization_does_not_stall_other_streams(three, inline_ch
             assert len(during) >= 10 and max(gaps) < 0.5, gaps  # chunks kept coming every ~50 ms
         else:
             assert tok.slow_threads[0] == "MainThread" and max(gaps) >= 0.9  # the whole loop stood still
-        assert await metric(rs, "kvpilot:router_decision_seconds_count",
+        assert await router_metric(rs, "kvpilot:router_decision_seconds_count",
                             tokenize="pool" if inline_chars == 1024 else "inline") >= 1
     finally:
         await rs.stop()
@@ -424,7 +413,7 @@ async def test_a_queued_replica_spills_its_tenant_to_a_second_replica(three):
         # the second replica now holds the tenant's prefix too: it is a home, no longer a spill
         assert routes[1:] == [(second, "prefix")] * 3
         assert sorted(served(three)) == [0, 1, 4]  # the third replica was never needed
-        assert await metric(rs, "kvpilot:router_decisions_total", reason="spill") == 1
+        assert await router_metric(rs, "kvpilot:router_decisions_total", reason="spill") == 1
         assert router_state(rs.app).slots == 4  # learned from the queue: a replica runs 4 at once
     finally:
         await rs.stop()
@@ -442,8 +431,8 @@ async def test_a_shed_prompt_routes_on_load_and_is_counted(three):
         assert r.choices[0].message.content.startswith("hi from") and time.monotonic() - t0 < 2.0
         assert tok.slow_threads == []
         await c.chat.completions.create(model="m", messages=chat("short"))  # short prompts are encoded inline
-        assert await metric(rs, "kvpilot:router_tokenize_shed_total") == 1
-        assert await metric(rs, "kvpilot:router_decision_seconds_count", tokenize="shed") == 1
-        assert await metric(rs, "kvpilot:router_decisions_total", reason="load") == 1
+        assert await router_metric(rs, "kvpilot:router_tokenize_shed_total") == 1
+        assert await router_metric(rs, "kvpilot:router_decision_seconds_count", tokenize="shed") == 1
+        assert await router_metric(rs, "kvpilot:router_decisions_total", reason="load") == 1
     finally:
         await rs.stop()

@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,3 +193,22 @@ class RouterServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+async def router_metric(rs: RouterServer, name: str, **labels: str) -> float:
+    """The sum of the router's ``name`` samples whose labels include ``labels``."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as s, s.get(rs.url + "/metrics") as r:
+        text = await r.text()
+    return sum(smp.value for fam in text_string_to_metric_families(text) for smp in fam.samples
+               if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Poll ``cond`` until it holds; an assertion naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
