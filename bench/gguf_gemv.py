@@ -20,13 +20,13 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from host import cpu_name
+from timing import call_times
 
 from kvpilot.kernels import cpu_native, gguf, gguf_reference
 
@@ -45,23 +45,13 @@ def _weight(qtype: int, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
-def _call_times(fn, calls: int) -> list[float]:
-    fn(0)
-    times = []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def _best_of_rounds(fns: dict, calls: int, rounds: int = 3) -> dict[str, tuple[float, float]]:
     """(median, fastest) time per call of each fn over interleaved rounds (drift on a shared host hits all
     alike): the best round's median, and the fastest single call (what the kernel does undisturbed)."""
     best = dict.fromkeys(fns, (float("inf"), float("inf")))
     for _ in range(rounds):
         for name, fn in fns.items():
-            times = _call_times(fn, calls)
+            times = call_times(fn, calls)
             med, fastest = statistics.median(times), min(times)
             best[name] = (min(best[name][0], med), min(best[name][1], fastest))
     return best

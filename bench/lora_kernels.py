@@ -21,7 +21,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from host import cpu_name
+from timing import call_times
 
 from kvpilot.kernels import cpu_native, lora
 from kvpilot.kernels import ops as K
@@ -42,13 +42,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _median_call(fn: Callable[[int], None], calls: int) -> float:
-    fn(0)
-    times = []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(call_times(fn, calls))
 
 
 def _weights(k: int, n: int, dtype: torch.dtype, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
