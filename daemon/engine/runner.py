@@ -25,10 +25,10 @@ from . import cuda_graphs, host_malloc
 from .config import EngineConfig
 from .loader import LoadedModel
 from .lora.request import LoRARequest
+from .models import AttentionMetadata, LoRABatch, OutputRows
 
 if TYPE_CHECKING:
     from .lora.manager import LoRAManager
-from .models import AttentionMetadata, LoRABatch, OutputRows
 
 logger = logging.getLogger(__name__)
 
