@@ -236,9 +236,9 @@ def test_the_mlp_in_row_slices_gives_the_same_logits(monkeypatch: pytest.MonkeyP
     calls: list[int] = []
     real_mlp = llama.LlamaDecoderLayer._mlp
 
-    def counted(self: llama.LlamaDecoderLayer, h: torch.Tensor) -> torch.Tensor:
+    def counted(self: llama.LlamaDecoderLayer, h: torch.Tensor, lora: object = None) -> torch.Tensor:
         calls.append(h.shape[0])
-        return real_mlp(self, h)
+        return real_mlp(self, h, lora)
 
     monkeypatch.setattr(llama.LlamaDecoderLayer, "_mlp", counted)
     inter = runner.model.layers[0].local_inter

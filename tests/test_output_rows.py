@@ -38,7 +38,7 @@ def _batch(seed: int) -> list[SeqBatchEntry]:
 
 def _whole_forward(runner, entries):
     """What execute() computed before OutputRows: every row through every layer, then the sampled rows."""
-    input_ids, positions, meta, rows, output_rows = runner._prepare(entries)  # noqa: SLF001
+    input_ids, positions, meta, rows, output_rows, _ = runner._prepare(entries)  # noqa: SLF001
     assert output_rows is not None and output_rows.rows.tolist() == rows.tolist()
     with torch.inference_mode():
         hidden = runner.model(input_ids, positions, meta)
@@ -74,7 +74,7 @@ def test_nothing_sampled_still_stores_every_layer(llm: LLM) -> None:
     stored = _caches(runner)
     for c in runner.k_caches + runner.v_caches:
         c[:2].zero_()
-    input_ids, positions, meta, rows, output_rows = runner._prepare(entries)  # noqa: SLF001
+    input_ids, positions, meta, rows, output_rows, _ = runner._prepare(entries)  # noqa: SLF001
     assert rows.size == 0 and output_rows is not None and output_rows.rows.numel() == 0
     with torch.inference_mode():
         runner.model(input_ids, positions, meta)
@@ -109,7 +109,7 @@ def test_a_sequence_verifying_drafts_gets_a_row_per_position(llm: LLM) -> None:
                SeqBatchEntry([555], 17, [6, 7], True)]
     for c in runner.k_caches + runner.v_caches:
         c[:8] = torch.randn(c[:8].shape, generator=torch.Generator().manual_seed(2)) * 0.5
-    input_ids, positions, meta, rows, output_rows = runner._prepare(entries)  # noqa: SLF001
+    input_ids, positions, meta, rows, output_rows, _ = runner._prepare(entries)  # noqa: SLF001
     assert rows.tolist() == [36, 37, 38, 39, 40, 41]
     assert output_rows.meta.context_lens.tolist() == [37, 31, 32, 33, 34, 18]
     ref = _whole_forward(runner, entries)
