@@ -200,6 +200,7 @@ _ENGINE_FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "long_prefill_token_threshold": _non_negative_int,
     "gpu_memory_utilization": float,
     "seed": int,
+    "node_rank": _non_negative_int,
     "speculative_config": _json_object,
 }
 _DAEMON_ONLY = {"served_model_name"}  # a list in the server group; the engine gets its first name

@@ -87,6 +87,24 @@ class EngineConfig:
     max_cpu_loras: int | None = field(default=None, metadata={
         "help": "adapters kept loaded in host memory, least recently used evicted first (default: max_loras; "
                 "at least max_loras)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks that split each layer (query and KV heads, MLP columns, vocabulary), one process and one "
+                "device each; their all-reduces run over NCCL on GPUs and gloo on CPUs"})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "help": "stages the layers are split into, one group of tensor_parallel_size ranks each; a step's "
+                "sequences go through them in micro-batches. What carries a model across nodes"})
+    nnodes: int | None = field(default=None, metadata={
+        "help": "nodes (pods) the tensor_parallel_size * pipeline_parallel_size ranks span, the same number on "
+                "each (default 1; in a LeaderWorkerSet, LWS_GROUP_SIZE)"})
+    node_rank: int | None = field(default=None, metadata={
+        "help": "this node's index among nnodes: 0 runs the engine core and the API server, the others only "
+                "their ranks (default 0; in a LeaderWorkerSet, LWS_WORKER_INDEX)"})
+    dist_init_addr: str | None = field(default=None, metadata={
+        "help": "host:port where the ranks of several nodes meet (node 0 listens there; default: "
+                "LWS_LEADER_ADDRESS:29500 in a LeaderWorkerSet; one node picks a free local port)"})
+    distributed_timeout: float = field(default=300.0, metadata={
+        "help": "seconds a rank waits on the others in a collective, or to start, before the engine counts "
+                "them dead"})
     # kernel and host choices: resolved once at engine start (the kernels' KernelSettings, the runner's
     # threads and memory), never read per step
     attention_backend: str = field(default="auto", metadata={
@@ -162,9 +180,41 @@ class EngineConfig:
         if isinstance(self.speculative_config, str):  # its JSON, as `--speculative-config` takes it
             self.speculative_config = speculative_config_json(self.speculative_config)
         parse_speculative_config(self.speculative_config)  # a bad one fails here, naming the key
+        self._check_parallel()
         if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(
                 self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.nnodes is not None and (isinstance(self.nnodes, bool) or not isinstance(self.nnodes, int)
+                                        or self.nnodes < 1 or self.world_size % self.nnodes):
+            raise ValueError(f"nnodes must be an integer >= 1 that divides tensor_parallel_size * "
+                             f"pipeline_parallel_size ({self.world_size}), got {self.nnodes!r}")
+        if self.node_rank is not None and (isinstance(self.node_rank, bool) or not isinstance(self.node_rank, int)
+                                           or not 0 <= self.node_rank < (self.nnodes or 1)):
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes or 1}), got {self.node_rank!r}")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
+        if self.world_size > 1 and self.enable_lora:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size or pipeline_parallel_size "
+                             "above 1 yet; serve adapters on single-rank replicas")
+        spec = self.speculative
+        if self.world_size > 1 and spec is not None and spec.method != "ngram":
+            raise ValueError(f"speculative_config method {spec.method!r} is not supported with "
+                             "tensor_parallel_size or pipeline_parallel_size above 1 yet; ngram is")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size * pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def cpu_loras(self) -> int:

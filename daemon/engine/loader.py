@@ -19,6 +19,7 @@ from kvpilot.common.gguf_weights import gguf_source, iter_gguf_weights
 from kvpilot.common.model_source import resolve_model_path
 
 from .config import EngineConfig
+from .models.parallel import SINGLE, ParallelContext
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,8 @@ class LoadedModel:
     path: Path | None = None
     quantization: str = "none"  # the quant method the linear layers run (``models.quantization``)
     weight_bytes: int = 0  # the model's weights as held on the device (``kvpilot:model_weight_bytes``)
+    # this rank's place among the ranks; model, weight_bytes and the KV cache are this rank's shard
+    parallel: ParallelContext = SINGLE
 
 
 # ----------------------------------------------------------------------------- dtype / device
@@ -209,8 +212,9 @@ def configure_kernels(config: EngineConfig) -> None:
     ))
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """Resolve, build and load the native model for ``config``; ``ValueError`` naming the uri on bad input."""
+def load_model(config: EngineConfig, parallel: ParallelContext = SINGLE) -> LoadedModel:
+    """Resolve, build and load the native model for ``config`` (this rank's shard of it under ``parallel``);
+    ``ValueError`` naming the uri on bad input."""
     from kvpilot.common.tokenizer import load_tokenizer
 
     from .model_files import load_config
@@ -245,7 +249,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     try:
         quant_method = resolve_quant_method(config.quantization, full_config, gguf_file)
         model = model_cls(hf_config, max_model_len=max_model_len, dtype=dtype, device=device,
-                          quant_method=quant_method)
+                          quant_method=quant_method, parallel=parallel)
     except ValueError as e:  # a config field the native model cannot follow (RoPE type, activation, ...)
         raise ValueError(f"model {uri!r}: {e}") from e
     weights = iter_gguf_weights(gguf_file, hf_config, quantized_embeddings=quant_method.quantizes_embeddings) \
@@ -275,4 +279,5 @@ def load_model(config: EngineConfig) -> LoadedModel:
         path=path,
         quantization=quant_method.name,
         weight_bytes=weight_bytes,
+        parallel=parallel,
     )
