@@ -431,6 +431,10 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001
             log.exception("engine loop crashed")
             self._call_loop(self._on_dead, f"{type(exc).__name__}: {exc}")
+        finally:
+            stop = getattr(engine, "shutdown", None)  # the other ranks' processes, when there are any
+            if stop is not None:
+                stop()
 
     def _engine_loop(self, engine: Engine) -> None:
         while True:

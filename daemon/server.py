@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from kvpilot.version import __version__
 
 from .args import ServeArgs
 from .async_engine import AsyncEngine
+from .engine.executor.layout import node_layout
 from .http_errors import to_api_error
 from .lora_registry import Adapter, LoRARegistry
 from .lora_routes import LoRARoutes
@@ -297,7 +299,13 @@ async def drain(app: web.Application, timeout: float) -> None:
 
 
 async def serve(args: ServeArgs) -> int:
-    """Run until SIGTERM/SIGINT. Exit code 0 after a drain, 1 if the model fails to load."""
+    """Run until SIGTERM/SIGINT. Exit code 0 after a drain, 1 if the model fails to load. On a node other
+    than node 0 of a multi-node group, run only that node's ranks (worker_node.py)."""
+    layout = node_layout(args.engine, os.environ)
+    if layout.node_rank > 0:
+        from .worker_node import serve_worker_node
+
+        return await serve_worker_node(args, layout)
     app = build_app(args)
     st = server_state(app)
     runner, port = await start_app(app, args.host, args.port, shutdown_timeout=5.0)

@@ -25,6 +25,7 @@ from .sequence import Sequence, SequenceStatus
 from .spec_decode.verify import GeneratorRewind, emit
 
 if TYPE_CHECKING:
+    from .executor.multiproc import MultiprocExecutor
     from .spec_decode.speculator import Speculator
     from .structured.engine_state import StructuredOutputs
 
@@ -85,10 +86,17 @@ class LLMEngine:
         started = time.perf_counter()
         # Unseeded requests draw from torch's global generator: seeding it makes a whole run repeatable.
         torch.manual_seed(self.config.seed)
-        self.loaded: LoadedModel = load_model(self.config)
+        self.runner: ModelRunner | MultiprocExecutor
+        if self.config.world_size > 1:  # one process per rank; the runner's calls reach all of them
+            from .executor import start_executor
+
+            self.runner = start_executor(self.config)
+            self.loaded: LoadedModel = self.runner.loaded
+        else:
+            self.loaded = load_model(self.config)
+            self.runner = ModelRunner(self.config, self.loaded)
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.model_name
-        self.runner = ModelRunner(self.config, self.loaded)
         if self.config.enable_lora:  # before the KV cache: on a GPU its slots take memory the cache must leave
             from .lora.manager import LoRAManager
 
@@ -600,6 +608,12 @@ class LLMEngine:
         """From now on the rest of the KV cache maps in only while ``busy()`` is false: in a server's idle
         time, off its steps' cores. Offline runs keep it beside their steps, where it finishes sooner."""
         self.runner.pause_kv_cache_mapping_while(busy)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes (nothing to do with one rank); the engine takes no steps after."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()

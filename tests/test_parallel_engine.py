@@ -1,0 +1,221 @@
+"""Issue 36's engine across ranks on the CPU (gloo): the offline API with tensor_parallel_size and
+pipeline_parallel_size gives a single process's greedy tokens and prompt logprobs under chunked prefill,
+prefix caching, preemption (recompute and swap), n > 1 and n-gram speculation; SmolLM2 at tensor 3; bad
+sizes and unsupported combinations refused; a rank that hangs makes the engine fail instead of stall."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvpilot.daemon.engine import LLM, EngineConfig, LLMEngine
+from kvpilot.daemon.engine.executor.layout import DEFAULT_DIST_PORT, node_layout
+from kvpilot.daemon.engine.executor.multiproc import RankFailed
+from kvpilot.daemon.engine.executor.shm_broadcast import ShmBroadcast
+from kvpilot.daemon.engine.sampling_params import SamplingParams
+from tests.support.hf_parity import save_tiny, token_prompts
+from tests.support.rank_procs import spawned_ranks
+
+pytestmark = pytest.mark.slow
+
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 query heads, 4 KV heads, 3 layers (an odd count for two stages), an untied head."""
+    folder = tmp_path_factory.mktemp("llama8")
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    save_tiny(cfg, LlamaForCausalLM, folder, lambda n: "norm" in n)
+    return folder
+
+
+def _engine_kwargs(**kw: Any) -> dict[str, Any]:
+    # chunked prefill (32-token budget under 50-token prompts) and few blocks: the sequences preempt
+    base = {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 32, "num_kv_blocks": 8,
+            "max_model_len": 128, "num_threads": 1}
+    return {**base, **kw}
+
+
+def _scenario(llm: LLM) -> dict[str, Any]:
+    """Greedy tokens and prompt logprobs of three prompts (two sharing a prefix), one of them n=2 with a
+    seed, run twice (the second pass hits the prefix cache)."""
+    prompts = [{"prompt_token_ids": p} for p in token_prompts(vocab=512)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, prompt_logprobs=1, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=6, ignore_eos=True)
+    runs = [llm.generate(prompts, [greedy, greedy, sampled], use_tqdm=False) for _ in range(2)]
+    stats = llm.engine.get_stats()
+    return {
+        "tokens": [[list(c.token_ids) for c in o.outputs] for run in runs for o in run],
+        "prompt_logprobs": [[{k: v.logprob for k, v in pos.items()} for pos in o.prompt_logprobs[1:]]
+                            for run in runs for o in run if o.prompt_logprobs],
+        "preempted": stats.num_preempted_total,
+        "prefix_hits": stats.prefix_cache_hits_total,
+    }
+
+
+def _run(folder: Path, **kw: Any) -> dict[str, Any]:
+    llm = LLM(str(folder), **_engine_kwargs(**kw))
+    try:
+        out = _scenario(llm)
+        runner = llm.engine.runner
+        if llm.engine.config.world_size > 1:  # several ranks: each ran its part of every step
+            out["rank_stats"] = runner.pipeline_stats()
+            out["driver_share"] = runner.rank_weight_bytes / llm.engine.get_stats().model_weight_bytes
+        return out
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def single(llama8: Path) -> dict[str, Any]:
+    return _run(llama8)
+
+
+def _assert_same(ref: dict[str, Any], got: dict[str, Any]) -> None:
+    assert got["tokens"] == ref["tokens"]
+    worst = max(abs(a[k] - b[k]) for ra, rb in zip(ref["prompt_logprobs"], got["prompt_logprobs"], strict=True)
+                for a, b in zip(ra, rb, strict=True) for k in a)
+    assert worst < LOGPROB_TOL
+    assert got["preempted"] > 0 and got["prefix_hits"] > 0
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 1), (1, 2), (2, 2)])
+def test_ranks_match_one_process(llama8: Path, single: dict[str, Any], tp: int, pp: int) -> None:
+    assert single["preempted"] > 0 and single["prefix_hits"] > 0  # the scenario exercises both
+    got = _run(llama8, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    _assert_same(single, got)
+    assert got["driver_share"] < 0.75  # the driver holds a shard, not the model
+    if pp > 1:  # every rank, on every stage, took micro-batches; later stages waited on earlier ones
+        assert len(got["rank_stats"]) == tp * pp
+        assert all(s.micro_batches > 0 for s in got["rank_stats"])
+
+
+def test_swap_preemption_and_ngram_speculation_across_ranks(llama8: Path) -> None:
+    kw = {"preemption_mode": "swap", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    _assert_same(_run(llama8, **kw), _run(llama8, tensor_parallel_size=2, **kw))
+
+
+def test_smollm2_at_tensor_three() -> None:
+    """SmolLM2: 9 query heads and 3 KV heads over 3 ranks, on its own GGUF weights (the same greedy text)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    texts = []
+    for tp in (1, 3):
+        llm = LLM("builtin://smollm2-135m", dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=512,
+                  tensor_parallel_size=tp)
+        try:
+            texts.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            weight_bytes = llm.engine.get_stats().model_weight_bytes
+        finally:
+            llm.engine.shutdown()
+        if tp == 1:
+            single_bytes = weight_bytes
+    assert texts[0] == texts[1]
+    assert weight_bytes >= single_bytes  # the metrics count every rank's shard
+
+
+def test_sizes_that_do_not_divide_are_named(llama8: Path) -> None:
+    with pytest.raises(ValueError, match=r"num_attention_heads \(8\).*tensor_parallel_size \(3\)"):
+        LLM(str(llama8), **_engine_kwargs(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match=r"num_hidden_layers \(3\).*pipeline_parallel_size \(4\)"):
+        LLM(str(llama8), **_engine_kwargs(pipeline_parallel_size=4))
+
+
+def test_combinations_not_supported_are_refused() -> None:
+    with pytest.raises(ValueError, match="enable_lora"):
+        EngineConfig(tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "model": "self:1",
+                                                                   "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="nnodes"):
+        EngineConfig(tensor_parallel_size=2, nnodes=3)
+
+
+def _worker_pids() -> list[int]:
+    return spawned_ranks(os.getpid())
+
+
+def test_a_rank_that_hangs_fails_the_engine(llama8: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(llama8), tensor_parallel_size=2, distributed_timeout=4.0,
+                                    **_engine_kwargs()))
+    try:
+        engine.add_request("a", token_prompts(vocab=512)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.step()
+        (pid,) = _worker_pids()
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RankFailed):
+            for _ in range(50):
+                engine.step()
+        assert time.monotonic() - started < 30
+        with pytest.raises(RankFailed):  # dead for good: no call waits again
+            engine.step()
+        os.kill(pid, signal.SIGCONT)
+    finally:
+        engine.shutdown()
+    assert not _worker_pids()
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_layout_from_flags_and_from_the_lws_environment() -> None:
+    cfg = EngineConfig(tensor_parallel_size=4, pipeline_parallel_size=2)
+    one = node_layout(cfg, {})
+    assert (one.nnodes, one.node_rank, one.ranks_per_node, one.init_addr) == (1, 0, 8, None)
+    lws = node_layout(cfg, {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "leader.svc"})
+    assert (lws.nnodes, lws.node_rank, list(lws.local_ranks), lws.remote_ranks) == (2, 1, [4, 5, 6, 7], [4, 5, 6, 7])
+    assert lws.init_addr == ("leader.svc", DEFAULT_DIST_PORT)
+    flags = node_layout(EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=0, dist_init_addr="10.0.0.1:1234"),
+                        {"LWS_GROUP_SIZE": "4"})
+    assert (flags.nnodes, flags.init_addr, list(flags.local_ranks)) == (2, ("10.0.0.1", 1234), [0])
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        node_layout(EngineConfig(tensor_parallel_size=2, nnodes=2), {})
+    with pytest.raises(ValueError, match="nnodes"):
+        node_layout(cfg, {"LWS_GROUP_SIZE": "3"})
+
+
+def test_shm_broadcast_chunks_large_messages_and_notices_a_reader_gone() -> None:
+    import multiprocessing
+    import threading
+
+    bus = ShmBroadcast(multiprocessing.get_context("spawn"), 2, capacity=1024, timeout_s=5.0)
+    readers = [bus.reader(i).open() for i in range(2)]
+    got: list[list[Any]] = [[], []]
+
+    def read(i: int, n: int) -> None:
+        for _ in range(n):
+            got[i].append(readers[i].read(lambda: True))
+
+    threads = [threading.Thread(target=read, args=(i, 2)) for i in range(2)]
+    for t in threads:
+        t.start()
+    big = list(range(5000))  # many chunks of 1 KiB
+    bus.publish(("execute", [], big), lambda: None)
+    bus.publish(("noop",), lambda: None)
+    for t in threads:
+        t.join(10)
+    assert got == [[("execute", [], big), ("noop",)]] * 2
+    # a reader that stopped reading: the next chunk's wait asks check(), which reports it
+    calls = []
+
+    def check() -> None:
+        calls.append(1)
+        raise RankFailed("rank 1 exited")
+
+    with pytest.raises(RankFailed):
+        bus.publish(("execute", [], big), check)
+    assert calls
+    bus.close()
+    assert not Path(bus.path).exists()
