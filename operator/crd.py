@@ -16,7 +16,7 @@ import jsonschema
 import yaml
 
 from kvpilot import sizes
-from kvpilot.operator import resources
+from kvpilot.operator import parallelism, resources
 
 CRD_RESOURCE = "inferencedeployment-crd.yaml"
 CRD_PATH = Path(__file__).with_name(CRD_RESOURCE)
@@ -24,6 +24,7 @@ CRD_PATH = Path(__file__).with_name(CRD_RESOURCE)
 # Mirrors the CEL rule on spec.model.uri in the CRD.
 URI_RE = re.compile(r"^(?:(?:hf|builtin)://[^/].*|pvc://[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:/.*)?|file:///.+)$")
 MAX_NAME_LEN = 50
+LWS_NAME_RE = re.compile(r"^[a-z](?:[-a-z0-9]*[a-z0-9])?$")  # a DNS-1035 label, as LeaderWorkerSets need
 
 
 @functools.cache
@@ -114,9 +115,14 @@ def rule_errors(name: str, spec: dict[str, Any]) -> list[str]:
     if uri and not URI_RE.match(uri):
         errors.append("model.uri must start with hf://, pvc://claim/, builtin:// or file:///")
     errors += router_rule_errors(spec)
+    errors += parallelism.rule_errors(spec)
+    if parallelism.multi_node(spec) and not LWS_NAME_RE.match(name):
+        errors.append(parallelism.LWS_NAME_MESSAGE)
     e = spec.get("engine") or {}
     if isinstance(e.get("gpuMemoryUtilization"), int | float) and not e["gpuMemoryUtilization"] > 0.0:
         errors.append("engine.gpuMemoryUtilization must be in (0, 1]")
+    if isinstance(e.get("distributedTimeout"), int | float) and not e["distributedTimeout"] > 0.0:
+        errors.append("engine.distributedTimeout must be > 0")
     # The schema's pattern is the daemon's grammar, but Python's $ also passes "20Gi\n", which the API
     # server's RE2 and the daemon refuse: ask the daemon's own parser.
     if isinstance(e.get("kvCacheMemory"), str) and not sizes.is_size(e["kvCacheMemory"]):

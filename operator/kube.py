@@ -298,6 +298,7 @@ serviceaccounts = _namespaced("v1", "serviceaccounts")
 roles = _namespaced("rbac.authorization.k8s.io/v1", "roles")
 rolebindings = _namespaced("rbac.authorization.k8s.io/v1", "rolebindings")
 inferencepools = _namespaced("inference.networking.k8s.io/v1", "inferencepools")
+leaderworkersets = _namespaced("leaderworkerset.x-k8s.io/v1", "leaderworkersets")
 events = _namespaced("v1", "events")
 
 

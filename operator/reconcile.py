@@ -1,5 +1,5 @@
-"""Converge an InferenceDeployment's children (Deployment, Services, PDBs, the router's objects or an
-InferencePool) on its spec, and write its status.
+"""Converge an InferenceDeployment's children (a Deployment or, for replicas on several nodes, a
+LeaderWorkerSet; Services, PDBs, the router's objects or an InferencePool) on its spec, and write its status.
 
 Idempotent: the manifests are rendered purely from the spec and the live replica count, and server-side
 apply of an unchanged manifest changes nothing, so a restart of the operator causes no rollout.
@@ -7,10 +7,11 @@ apply of an unchanged manifest changes nothing, so a restart of the operator cau
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
-from kvpilot.operator import crd, kube, lora_plan, metrics, resources, routing
+from kvpilot.operator import crd, kube, lora_plan, metrics, parallelism, resources, routing, workload
 from kvpilot.operator.lora_sources import NO_SOURCES, Sources
 from kvpilot.operator.status import now_iso
 from kvpilot.operator.tick import Cr, sync_pdb, write_status
@@ -21,7 +22,8 @@ class NotReady(Exception):
 
 
 class Degraded(Exception):
-    """Reconciled, but a part could not be applied (e.g. no InferencePool CRD); the status says why."""
+    """Reconciled, but a part could not be applied (e.g. no InferencePool or LeaderWorkerSet CRD); the status
+    says why."""
 
 
 async def reconcile(client: kube.KubeClient, cr: Cr, logger: logging.Logger,
@@ -29,8 +31,11 @@ async def reconcile(client: kube.KubeClient, cr: Cr, logger: logging.Logger,
     """Apply the children and write the status; the replicas written, or None for an invalid spec.
     `status` is the CR's status as the event saw it (which InferencePool it may have left behind)."""
     ns, name = cr.key
+    status = status or {}
+    applied = status.get("workload")  # the kind applied before: the other one goes after a switch
     errors = crd.validate(name, cr.spec)
-    live = await client.get(f"{kube.deployments(ns)}/{name}")
+    kind = (applied or workload.DEPLOYMENT) if errors else workload.kind_of(cr.spec)
+    live = await workload.read(client, ns, name, kind)
     if errors:
         logger.warning("invalid spec, children left as they are: %s", "; ".join(errors))
         metrics.RECONCILES.labels(ns, name, "invalid").inc()
@@ -42,18 +47,26 @@ async def reconcile(client: kube.KubeClient, cr: Cr, logger: logging.Logger,
     live_replicas = live.get("spec", {}).get("replicas") if live else None
     replicas = resources.reconcile_replicas(cr.spec, live_replicas)
     lora = await adapter_sources(client, cr)
-    deployment = await client.apply(kube.deployments(ns), resources.render_deployment(cr.meta, cr.spec, replicas, lora))
-    router, routing_error = await sync_routing(client, cr, status or {}, logger)
+    running, workload_error = await workload.apply(client, cr.meta, cr.spec, replicas, lora)
+    routed = cr
+    if workload_error is None:
+        await workload.remove_other(client, ns, name, kind, applied, logger)
+    else:
+        # No LeaderWorkerSet: a Deployment from before keeps serving, behind Services that select all its pods.
+        routed = dataclasses.replace(cr, spec=parallelism.on_one_node(cr.spec))
+    router, routing_error = await sync_routing(client, routed, status, logger)
     await sync_pdb(client, cr, replicas)
-    logger.info("reconciled: Deployment, Service%s with %d replicas%s",
+    logger.info("reconciled: %s, Service%s with %d replicas%s", kind,
                 " and PDB" if resources.render_pdb(cr.meta, replicas) else "", replicas,
                 ", behind the router" if router is not None else "")
-    await write_status(client, cr, deployment=deployment, now=now_iso(), desired=replicas, reconciled=True,
-                       router=router, routing_error=routing_error)
-    if routing_error is not None:
+    await write_status(client, cr, deployment=running, now=now_iso(), desired=replicas, reconciled=True,
+                       router=router, routing_error=routing_error, workload_error=workload_error,
+                       workload_kind=kind if workload_error is None else None)
+    problem = workload_error or routing_error
+    if problem is not None:
         metrics.RECONCILES.labels(ns, name, "degraded").inc()
-        logger.warning("routing not applied: %s", routing_error[1])
-        raise Degraded(routing_error[1])
+        logger.warning("not applied: %s", problem[1])
+        raise Degraded(problem[1])
     metrics.RECONCILES.labels(ns, name, "ok").inc()
     return replicas
 
@@ -109,7 +122,7 @@ async def apply_router(client: kube.KubeClient, cr: Cr) -> dict[str, Any]:
     await client.apply(kube.serviceaccounts(ns), routing.render_service_account(meta))
     await client.apply(kube.roles(ns), routing.render_role(meta))
     await client.apply(kube.rolebindings(ns), routing.render_role_binding(meta))
-    await client.apply(kube.services(ns), routing.render_daemons_service(meta))
+    await client.apply(kube.services(ns), routing.render_daemons_service(meta, cr.spec))
     router = await client.apply(kube.deployments(ns), routing.render_router_deployment(meta, cr.spec))
     await client.apply(kube.pdbs(ns), routing.render_router_pdb(meta))
     return router

@@ -9,11 +9,12 @@ import json
 import math
 from typing import Any
 
-from kvpilot.operator import lora_sources
+from kvpilot.operator import lora_sources, parallelism
 from kvpilot.operator.lora_sources import NO_SOURCES, Sources
 from kvpilot.operator.names import GROUP, KIND, VERSION
 
 DAEMON_PORT = 8000
+DIST_PORT = 29500  # where rank 0 (the leader of a multi-node replica) listens for the others' rendezvous
 CACHE_DIR = "/cache"
 PVC_MOUNT = "/models/pvc"
 PRESTOP_SLEEP_SECONDS = 5  # lets endpoints drop the pod before SIGTERM starts the drain
@@ -26,6 +27,8 @@ OWNER_LABEL = "kvpilot.io/inferencedeployment"
 DAEMON_APP = "kvpilot-daemon"
 ROUTER_APP = "kvpilot-router"
 MANAGER = "kvpilot-operator"
+# Set by the LeaderWorkerSet controller on every pod of a group; "0" is the leader, the only pod with the API.
+WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -41,6 +44,14 @@ def builtin_router(spec: dict[str, Any]) -> bool:
     return bool(router.get("enabled")) and router.get("mode", "builtin") == "builtin"
 
 
+def serving_selector_labels(name: str, spec: dict[str, Any]) -> dict[str, str]:
+    """The pods that serve the OpenAI API: all daemon pods, or only the group leaders when each replica
+    spans several nodes (the workers answer /health and /ready only)."""
+    if parallelism.multi_node(spec):
+        return {**selector_labels(name), WORKER_INDEX_LABEL: "0"}
+    return selector_labels(name)
+
+
 def labels(name: str) -> dict[str, str]:
     return {**selector_labels(name), INSTANCE_LABEL: name, MANAGED_BY_LABEL: MANAGER,
             "app.kubernetes.io/component": "model-server"}
@@ -50,9 +61,15 @@ def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
 
 
-def matches_selector(pod_labels: dict[str, str] | None, name: str) -> bool:
+def serving_selector_string(name: str, spec: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(serving_selector_labels(name, spec).items()))
+
+
+def matches_selector(pod_labels: dict[str, str] | None, name: str, spec: dict[str, Any] | None = None) -> bool:
+    """Whether a pod is one of the CR's daemons; given the spec, one that serves the API (a group leader)."""
     pod_labels = pod_labels or {}
-    return all(pod_labels.get(k) == v for k, v in selector_labels(name).items())
+    wanted = selector_labels(name) if spec is None else serving_selector_labels(name, spec)
+    return all(pod_labels.get(k) == v for k, v in wanted.items())
 
 
 def owner_reference(meta: dict[str, Any]) -> dict[str, Any]:
@@ -132,6 +149,13 @@ def daemon_args(meta: dict[str, Any], spec: dict[str, Any], lora: Sources = NO_S
         args += ["--gpu-memory-utilization", str(e["gpuMemoryUtilization"])]
     if e.get("maxQueuedRequests"):
         args += ["--max-queued-requests", str(e["maxQueuedRequests"])]
+    if e.get("distributedTimeout") is not None:
+        args += ["--distributed-timeout", str(e["distributedTimeout"])]
+    if parallelism.world_size(spec) > 1:
+        # Only the sizes: in a LeaderWorkerSet pod the daemon reads its node count, rank and the leader's
+        # address from LWS_*, so leader and workers run the same args. One rank renders nothing (no rollout).
+        args += ["--tensor-parallel-size", str(parallelism.tensor(spec)),
+                 "--pipeline-parallel-size", str(parallelism.pipeline(spec))]
     if e.get("speculative"):
         args += ["--speculative-config", speculative_config_json(e["speculative"])]
     if spec.get("apiKeySecret"):
@@ -155,8 +179,9 @@ def speculative_config_json(speculative: dict[str, Any]) -> str:
 def container_resources(spec: dict[str, Any]) -> dict[str, Any]:
     r = spec["resources"]
     amounts: dict[str, Any] = {"cpu": str(r["cpu"]), "memory": str(r["memory"])}
-    if r["gpus"] > 0:
-        amounts[r["gpuResourceName"]] = str(r["gpus"])
+    gpus = parallelism.gpus_per_pod(spec)
+    if gpus > 0:
+        amounts[r["gpuResourceName"]] = str(gpus)
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
@@ -207,16 +232,23 @@ def volumes(spec: dict[str, Any], lora: Sources = NO_SOURCES) -> tuple[list[dict
     return vols + lora_vols, mounts + lora_mounts
 
 
-def pod_template(meta: dict[str, Any], spec: dict[str, Any], lora: Sources = NO_SOURCES) -> dict[str, Any]:
+def pod_template(meta: dict[str, Any], spec: dict[str, Any], lora: Sources = NO_SOURCES,
+                 role: str = "replica") -> dict[str, Any]:
+    """A daemon pod. `role` is "replica" (a Deployment's pod, the whole replica), or "leader" or "worker" of
+    a LeaderWorkerSet group: the same container, but only the leader listens for the rendezvous and serves
+    /metrics (workers answer /health and /ready only, which the probes use)."""
     name = meta["name"]
     vols, mounts = volumes(spec, lora)
+    ports = [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}]
+    if role == "leader":
+        ports.append({"name": "dist", "containerPort": DIST_PORT, "protocol": "TCP"})
     container = {
         "name": "daemon",
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": ["kvpilot"],
         "args": daemon_args(meta, spec, lora),
-        "ports": [{"name": "http", "containerPort": DAEMON_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "env": container_env(spec),
         "resources": container_resources(spec),
         **probes(spec),
@@ -245,7 +277,8 @@ def pod_template(meta: dict[str, Any], spec: dict[str, Any], lora: Sources = NO_
     for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"):
         if spec.get(key):
             pod_spec[key] = spec[key]
-    annotations = {"kvpilot.io/metrics-path": "/metrics", "kvpilot.io/metrics-port": str(DAEMON_PORT)}
+    annotations = {} if role == "worker" else {"kvpilot.io/metrics-path": "/metrics",
+                                                "kvpilot.io/metrics-port": str(DAEMON_PORT)}
     return {
         "metadata": {
             "labels": {**spec.get("podLabels", {}), **labels(name)},
@@ -286,7 +319,8 @@ def render_service(meta: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
             "type": svc["type"],
             # With the builtin router the clients' Service fronts the routers; they reach the daemons
             # through the headless <name>-daemons Service (routing.py).
-            "selector": (router_selector_labels if builtin_router(spec) else selector_labels)(meta["name"]),
+            "selector": (router_selector_labels(meta["name"]) if builtin_router(spec)
+                         else serving_selector_labels(meta["name"], spec)),
             "ports": [{"name": "http", "port": svc["port"], "targetPort": "http", "protocol": "TCP"}],
         },
     }

@@ -179,16 +179,18 @@ def render_router_pdb(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def render_daemons_service(meta: dict[str, Any]) -> dict[str, Any]:
-    """Headless: the router reads its EndpointSlices (ready addresses) and connects to the pods directly."""
+def render_daemons_service(meta: dict[str, Any], spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Headless: the router reads its EndpointSlices (ready addresses) and connects to the pods directly.
+    With the spec, it selects only the pods that serve the API (a multi-node replica's leader)."""
     name = meta["name"]
+    selector = r.selector_labels(name) if spec is None else r.serving_selector_labels(name, spec)
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(meta, daemons_service_name(name), r.labels(name)),
         "spec": {
             "clusterIP": "None",
-            "selector": r.selector_labels(name),
+            "selector": selector,
             "ports": [{"name": "http", "port": r.DAEMON_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -232,7 +234,7 @@ def render_inference_pool(meta: dict[str, Any], spec: dict[str, Any]) -> dict[st
         "kind": "InferencePool",
         "metadata": _metadata(meta, name, r.labels(name)),
         "spec": {
-            "selector": {"matchLabels": r.selector_labels(name)},
+            "selector": {"matchLabels": r.serving_selector_labels(name, spec)},
             "targetPorts": [{"number": r.DAEMON_PORT}],
             "endpointPickerRef": picker,
         },

@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from kvpilot.operator import parallelism
 from kvpilot.operator.autoscaler import Decision
-from kvpilot.operator.resources import selector_string, service_url
+from kvpilot.operator.resources import service_url, serving_selector_string
 
 
 def now_iso(now: datetime.datetime | None = None) -> str:
@@ -34,35 +35,46 @@ def get_condition(status: dict[str, Any] | None, ctype: str) -> dict[str, Any] |
 
 
 def deployment_conditions(conditions: list[dict[str, Any]], deployment: dict[str, Any] | None,
-                          now: str, generation: int | None) -> list[dict[str, Any]]:
-    """Ready and Progressing from the child Deployment."""
+                          now: str, generation: int | None, kind: str = "Deployment") -> list[dict[str, Any]]:
+    """Ready and Progressing from the child workload: a Deployment (its pods), or a LeaderWorkerSet (its
+    groups, each ready when all its pods are)."""
     if deployment is None:
-        conditions = set_condition(conditions, "Ready", "False", "DeploymentMissing",
-                                   "the Deployment does not exist yet", now, generation)
-        return set_condition(conditions, "Progressing", "True", "Creating", "creating the Deployment", now,
+        conditions = set_condition(conditions, "Ready", "False", f"{kind}Missing",
+                                   f"the {kind} does not exist yet", now, generation)
+        return set_condition(conditions, "Progressing", "True", "Creating", f"creating the {kind}", now,
                              generation)
+    kind = deployment.get("kind") or kind
+    unit = "groups" if kind == "LeaderWorkerSet" else "pods"
     want = deployment.get("spec", {}).get("replicas", 1)
     st = deployment.get("status", {}) or {}
     ready, updated = st.get("readyReplicas", 0) or 0, st.get("updatedReplicas", 0) or 0
     total = st.get("replicas", 0) or 0
     if ready > 0:
         conditions = set_condition(conditions, "Ready", "True", "Serving",
-                                   f"{ready}/{want} pods ready", now, generation)
+                                   f"{ready}/{want} {unit} ready", now, generation)
     elif want == 0:
         conditions = set_condition(conditions, "Ready", "False", "ScaledToZero", "spec.replicas is 0", now,
                                    generation)
     else:
         conditions = set_condition(conditions, "Ready", "False", "NoReadyPods",
-                                   f"0/{want} pods ready (the model may still be loading)", now, generation)
+                                   f"0/{want} {unit} ready (the model may still be loading)", now, generation)
+    # A Deployment's Progressing False means its rollout stalled; an LWS's only that no group is in progress.
     dep_progress = next((c for c in st.get("conditions") or [] if c.get("type") == "Progressing"), None)
-    if dep_progress is not None and dep_progress.get("status") == "False":
+    if kind == "Deployment" and dep_progress is not None and dep_progress.get("status") == "False":
         return set_condition(conditions, "Progressing", "False", dep_progress.get("reason") or "Stalled",
                              dep_progress.get("message") or "the rollout stalled", now, generation)
     if updated < want or ready < want or total > want:
-        msg = f"rolling out: {updated} updated, {ready} ready, {total} total of {want}"
+        msg = f"rolling out: {updated} updated, {ready} ready, {total} total of {want} {unit}"
         return set_condition(conditions, "Progressing", "True", "RollingOut", msg, now, generation)
-    return set_condition(conditions, "Progressing", "False", "Complete", f"all {want} pods updated and ready",
+    return set_condition(conditions, "Progressing", "False", "Complete", f"all {want} {unit} updated and ready",
                          now, generation)
+
+
+def workload_error_conditions(conditions: list[dict[str, Any]], error: tuple[str, str], now: str,
+                              generation: int | None) -> list[dict[str, Any]]:
+    """The workload could not be applied (no LeaderWorkerSet API): neither Ready nor progressing until it is."""
+    conditions = set_condition(conditions, "Ready", "False", *error, now, generation)
+    return set_condition(conditions, "Progressing", "False", *error, now, generation)
 
 
 def invalid_spec_conditions(conditions: list[dict[str, Any]], errors: list[str], now: str,
@@ -158,13 +170,16 @@ def status_patch(*, meta: dict[str, Any], spec: dict[str, Any], old: dict[str, A
                  deployment: dict[str, Any] | None, now: str, errors: list[str] | None = None,
                  desired: int | None = None, decision: Decision | None = None, scaled: bool = False,
                  reconciled: bool = False, router: dict[str, Any] | None = None,
-                 routing_error: tuple[str, str] | None = None) -> dict[str, Any]:
+                 routing_error: tuple[str, str] | None = None, workload_error: tuple[str, str] | None = None,
+                 workload_kind: str | None = None) -> dict[str, Any]:
     """The one status an InferenceDeployment gets, from what was observed and decided.
 
     `old` is the status read just before (conditions keep their transition times); `reconciled` says the
     spec of meta["generation"] was converged on (or found invalid), which is what observedGeneration means.
     `decision` is the autoscaler's, or with autoscaling off a sample of the load only. `router` is the router
     Deployment (builtin mode) and `routing_error` why the InferencePool could not be applied (routing_status).
+    `deployment` is the workload, a Deployment or a LeaderWorkerSet; reconcile gives the kind it applied
+    (`workload_kind`, status.workload) or why it could not apply one (`workload_error`).
     """
     old = dict(old or {})
     gen = meta.get("generation")
@@ -177,7 +192,11 @@ def status_patch(*, meta: dict[str, Any], spec: dict[str, Any], old: dict[str, A
         return patch
     enabled = bool(spec["autoscaling"]["enabled"])
     live = (deployment or {}).get("spec", {}).get("replicas", 0) or 0
-    conditions = deployment_conditions(conditions, deployment, now, gen)
+    kind = "LeaderWorkerSet" if parallelism.multi_node(spec) else "Deployment"
+    if workload_error is not None:
+        conditions = workload_error_conditions(conditions, workload_error, now, gen)
+    else:
+        conditions = deployment_conditions(conditions, deployment, now, gen, kind)
     ready_now = ((deployment or {}).get("status") or {}).get("readyReplicas", 0) or 0
     if live == 0 and not ready_now and deployment is not None and _router_mode(spec) == "builtin":
         conditions = set_condition(conditions, "Ready", "False", "ScaledToZero",
@@ -187,9 +206,11 @@ def status_patch(*, meta: dict[str, Any], spec: dict[str, Any], old: dict[str, A
         "replicas": st.get("replicas", 0) or 0,  # always beside Ready, which is computed from the same counts
         "readyReplicas": st.get("readyReplicas", 0) or 0,
         "desiredReplicas": live if desired is None else desired,
-        "selector": selector_string(meta["name"]),
+        "selector": serving_selector_string(meta["name"], spec),
         "url": service_url(meta, spec),
     })
+    if workload_kind is not None:
+        patch["workload"] = workload_kind
     conditions = _scaling(conditions, old, enabled, decision, now, gen)
     router_st, patch["conditions"] = routing_status(conditions, old, meta, spec, router, routing_error, reconciled,
                                                     decision, now)

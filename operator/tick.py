@@ -1,6 +1,7 @@
 """One autoscaling tick for one InferenceDeployment: observe (I/O) -> decide (pure) -> act (I/O).
 
-observe reads the Deployment and the pods and scrapes the Ready ones; decide turns that into a Plan with no
+observe reads the workload (the Deployment, or the LeaderWorkerSet of multi-node replicas) and the pods that
+serve the API (a group's leader) and scrapes the Ready ones; decide turns that into a Plan with no
 I/O (the Autoscaler's history is the only state, and it is passed in); act writes the Plan: the replicas, an
 Event, the PDB and the status, each write retried on a 409 with a fresh read.
 """
@@ -15,13 +16,13 @@ from typing import Any
 
 import aiohttp
 
-from kvpilot.operator import crd, kube, metrics, resources, routing
+from kvpilot.operator import crd, kube, metrics, resources, routing, workload
 from kvpilot.operator.autoscaler import Autoscaler, Decision, Policy
 from kvpilot.operator.names import GROUP, KIND, VERSION
 from kvpilot.operator.scrape import ScrapeResult, scrape, scrape_routers, split_pods
 from kvpilot.operator.status import now_iso, status_patch
 
-AUTOSCALER_MANAGER = "kvpilot-autoscaler"
+AUTOSCALER_MANAGER = workload.AUTOSCALER_MANAGER
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Cr:
 @dataclass(frozen=True)
 class Observed:
     cr: Cr
-    deployment: dict[str, Any]
+    deployment: dict[str, Any]  # the workload: a Deployment, or a LeaderWorkerSet (its replicas are groups)
     scraped: ScrapeResult  # its observation includes the routers' samples
     targets: int
     router: dict[str, Any] | None = None  # the router Deployment (builtin mode)
@@ -79,16 +80,17 @@ class Plan:
 
 async def observe(client: kube.KubeClient, http: aiohttp.ClientSession, cr: Cr,
                   scrape_timeout: float) -> Observed | None:
-    """None when there is nothing to scale: an invalid spec (reconcile reports it) or no Deployment yet."""
+    """None when there is nothing to scale: an invalid spec (reconcile reports it) or no workload yet."""
     ns, name = cr.key
     if crd.validate(name, cr.spec):
         return None
-    deployment = await client.get(f"{kube.deployments(ns)}/{name}")
+    deployment = await workload.read(client, ns, name, workload.kind_of(cr.spec))
     if deployment is None:
         return None
-    listed = await client.list(kube.pods(ns), label_selector=resources.selector_string(name))
+    # Only the pods with the API: a multi-node replica's workers have no /metrics and count as no replica.
+    listed = await client.list(kube.pods(ns), label_selector=resources.serving_selector_string(name, cr.spec))
     # Filtered again here: an API that ignored the selector must not let another CR's pods count.
-    pods = [p for p in listed if resources.matches_selector(p.get("metadata", {}).get("labels"), name)]
+    pods = [p for p in listed if resources.matches_selector(p.get("metadata", {}).get("labels"), name, cr.spec)]
     targets, not_ready = split_pods(pods, resources.DAEMON_PORT)
     scraped = await scrape(http, targets, not_ready, dict(cr.spec["autoscaling"]["metrics"]), scrape_timeout)
     if not resources.builtin_router(cr.spec):
@@ -158,7 +160,7 @@ async def act(client: kube.KubeClient, observed: Observed, plan: Plan, logger: l
             await post_event(client, cr, reason, plan.decision.message())
             await sync_pdb(client, cr, plan.desired)
         else:
-            logger.info("autoscaler: the Deployment changed under the decision; deciding again next tick")
+            logger.info("autoscaler: the workload changed under the decision; deciding again next tick")
     else:
         logger.debug("autoscaler: %s", plan.decision.message())
     extra = {"router": observed.router} if observed.router is not None else {}
@@ -167,21 +169,8 @@ async def act(client: kube.KubeClient, observed: Observed, plan: Plan, logger: l
 
 
 async def scale(client: kube.KubeClient, cr: Cr, plan: Plan) -> dict[str, Any] | None:
-    """Set the Deployment's replicas, if they are still what the decision saw; the patched Deployment or None."""
-    ns, name = cr.key
-    path = f"{kube.deployments(ns)}/{name}"
-
-    async def attempt() -> dict[str, Any] | None:
-        live = await client.get(path)
-        if live is None or (live.get("spec", {}).get("replicas", 0) or 0) != plan.current:
-            return None
-        body: dict[str, Any] = {"spec": {"replicas": plan.desired}}
-        rv = live.get("metadata", {}).get("resourceVersion")
-        if rv:
-            body["metadata"] = {"resourceVersion": rv}
-        return await client.patch(path, body, "strategic", manager=AUTOSCALER_MANAGER)
-
-    return await kube.retry_on_conflict(attempt)
+    """Set the workload's replicas, if they are still what the decision saw; the patched workload or None."""
+    return await workload.scale(client, *cr.key, workload.kind_of(cr.spec), plan.current, plan.desired)
 
 
 async def sync_pdb(client: kube.KubeClient, cr: Cr, replicas: int) -> None:

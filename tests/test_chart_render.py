@@ -37,6 +37,7 @@ VARIANTS = {
     "standalone": ("peering.enabled=false", "logLevel=DEBUG", "image.tag=dev"),
     "inference-pool": ("gatewayInferenceExtension.enabled=true",),
     "no-router": ("router.enabled=false",),
+    "leader-worker-set": ("leaderWorkerSet.enabled=true", "router.enabled=false"),
 }
 
 
@@ -139,6 +140,19 @@ def test_inference_pool_and_router_toggles():
     assert bare[("apps", "deployments")] == {"get", "create", "patch"} and bare[("", "services")] == {"create", "patch"}
     assert not {("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
                 ("discovery.k8s.io", "endpointslices")} & set(bare)
+
+
+def test_leader_worker_set_toggle():
+    """Off by default; on, the operator may write LeaderWorkerSets and scale them, and delete the Deployment
+    it replaces (granted with the router anyway)."""
+    lws = ("leaderworkerset.x-k8s.io", "leaderworkersets")
+    assert lws not in workload_rules(render()) and (lws[0], "leaderworkersets/scale") not in workload_rules(render())
+    for router in ("true", "false"):
+        rules = workload_rules(render("leaderWorkerSet.enabled=true", f"router.enabled={router}"))
+        assert rules[lws] == {"get", "create", "patch", "delete"}
+        assert rules[(lws[0], "leaderworkersets/scale")] == {"patch"}
+        assert "delete" in rules[("apps", "deployments")]
+    assert "delete" not in workload_rules(render("router.enabled=false"))[("apps", "deployments")]
 
 
 def test_watched_namespaces_get_rolebindings_and_namespaced_peering():

@@ -19,6 +19,7 @@ from kvpilot import sizes
 from kvpilot.daemon.args import ServeArgs, parse_serve_args
 from kvpilot.daemon.engine import runner as runner_mod
 from kvpilot.daemon.engine.config import QUANTIZATIONS, EngineConfig
+from kvpilot.daemon.engine.models.parallel import SINGLE
 from kvpilot.daemon.engine.spec_decode import config as spec_config
 from kvpilot.operator import crd, lora_sources, resources
 from operator_support import crd_checks as checks
@@ -44,6 +45,13 @@ NOT_IN_CRD: dict[str, str] = {
     "malloc_tuning": "glibc heap tuning for CPU pods, right by default: extraArgs",
     "populate_kv": "CPU KV-cache page mapping, right by default: extraArgs",
     "num_threads": "follows resources.cpu: the daemon sizes its threads from the pod's cgroup CPU limit",
+    "tensor_parallel_size": "spec.parallelism.tensor, rendered as --tensor-parallel-size with more than one rank",
+    "pipeline_parallel_size": "spec.parallelism.pipeline, rendered as --pipeline-parallel-size with more than one rank",
+    "nnodes": "follows spec.parallelism and resources.gpusPerNode: a multi-node replica is a LeaderWorkerSet group, "
+              "and the daemon reads LWS_GROUP_SIZE",
+    "node_rank": "each pod's place in its LeaderWorkerSet group: the daemon reads LWS_WORKER_INDEX",
+    "dist_init_addr": "the group leader's address: the daemon reads LWS_LEADER_ADDRESS (port 29500, the leader's "
+                      "dist port)",
     "speculative_config": "spec.engine.speculative, an object with camelCase keys, rendered as the JSON of "
                           "--speculative-config (OBJECT_FIELDS; checked key by key below)",
 }
@@ -59,7 +67,7 @@ EVERY_FIELD_SET: dict[str, Any] = {
     "blockSize": 64, "maxNumSeqs": 7, "maxNumBatchedTokens": 333, "longPrefillTokenThreshold": 99,
     "maxModelLen": 1234, "dtype": "float16", "kvCacheDtype": "bfloat16", "kvCacheMemory": "1.5Gi",
     "gpuMemoryUtilization": 0.55, "enablePrefixCaching": False, "schedulingPolicy": "priority",
-    "maxQueuedRequests": 17, "extraArgs": ["--seed", "5"],
+    "maxQueuedRequests": 17, "extraArgs": ["--seed", "5"], "distributedTimeout": 42.5,
     "enableLora": True, "maxLoras": 3, "maxLoraRank": 32, "maxCpuLoras": 5,
     "speculative": {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 1, "promptLookupMax": 4,
                     "disableByBatchSize": 2},
@@ -474,6 +482,7 @@ def fake_cuda_runner(config: EngineConfig) -> runner_mod.ModelRunner:
     r.config, r.model, r.device, r.dtype, r.kv_dtype = config, model, torch.device("cuda", 0), torch.float16, torch.float16
     r.block_size, r.num_layers, r.num_kv_heads, r.head_dim, r.vocab_size = config.block_size, 2, 2, 64, 1000
     r.loaded = types.SimpleNamespace(max_model_len=1024)
+    r.parallel = SINGLE  # one rank: the budget is the whole GPU's
     return r
 
 

@@ -64,8 +64,12 @@ def test_names_scope_subresources_and_printer_columns():
                                           "statusReplicasPath": ".status.replicas",
                                           "labelSelectorPath": ".status.selector"}
     cols = {col["name"].upper(): col for col in v["additionalPrinterColumns"]}
-    assert list(cols) == ["MODEL", "QUANT", "REPLICAS", "READY", "DESIRED", "KV%", "WAITING", "AGE", "ROUTER", "URL"]
-    assert cols["URL"]["priority"] == cols["ROUTER"]["priority"] == cols["QUANT"]["priority"] == 1  # `-o wide`
+    assert list(cols) == ["MODEL", "QUANT", "TP", "PP", "WORKLOAD", "REPLICAS", "READY", "DESIRED", "KV%", "WAITING",
+                          "AGE", "ROUTER", "URL"]
+    wide = ("URL", "ROUTER", "QUANT", "TP", "PP", "WORKLOAD")
+    assert all(cols[c]["priority"] == 1 for c in wide)  # `-o wide`
+    assert not any(col.get("priority") for c, col in cols.items() if c not in wide)
+    assert (cols["TP"]["jsonPath"], cols["PP"]["jsonPath"]) == (".spec.parallelism.tensor", ".spec.parallelism.pipeline")
     assert cols["QUANT"]["jsonPath"] == ".spec.model.quantization"
     assert cols["ROUTER"]["jsonPath"] == ".status.router.readyReplicas"
     paths = {p for p, _ in checks.walk(schema())}

@@ -12,6 +12,7 @@ import subprocess
 import pytest
 import yaml
 
+from operator_support import harness
 from operator_support.calls import ApiCall
 from operator_support.harness import CR_PATH, LORA_PATH, MetricsServer, cluster, eventually, operator
 from operator_support.rbac import Authorizer, Grant, used_by
@@ -26,11 +27,12 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.slow,
               pytest.mark.skipif(not HELM.exists(), reason="helm not installed: run `make install`")]
 
 # mode: (helm --set values, what the run uses besides the basics). Peering and the builtin router are on
-# unless the values turn them off; InferencePools (spec.router.mode inferencePool) are off unless turned on.
+# unless the values turn them off; InferencePools (spec.router.mode inferencePool) and LeaderWorkerSets
+# (spec.parallelism over several nodes) are off unless turned on.
 MODES = {
     "cluster-wide": ((), {"router"}),
-    "watch-namespaces": (("watchNamespaces={team-a,team-b}", "gatewayInferenceExtension.enabled=true"),
-                         {"router", "inferencePool"}),
+    "watch-namespaces": (("watchNamespaces={team-a,team-b}", "gatewayInferenceExtension.enabled=true",
+                          "leaderWorkerSet.enabled=true"), {"router", "inferencePool", "lws"}),
     "standalone": (("peering.enabled=false", "router.enabled=false"), set()),
 }
 PEERINGS = {"ClusterKopfPeering": "clusterkopfpeerings", "KopfPeering": "kopfpeerings"}
@@ -106,6 +108,8 @@ async def exercise(k, ns: str, metrics: MetricsServer, features: set[str]) -> No
         "stableWindowSeconds": 5, "panicWindowSeconds": 2, "metricsIntervalSeconds": 1}}})
     await eventually(lambda: replicas(3), what="autoscaled up")
 
+    if "lws" in features:
+        await exercise_lws(k, ns, metrics)
     if "router" in features:
         await k.patch_cr(ns, "llm", {"spec": {"router": {"enabled": True}}})
         await eventually(lambda: k.deployment(ns, "llm-router"), what="the router's Deployment")
@@ -130,6 +134,24 @@ async def exercise(k, ns: str, metrics: MetricsServer, features: set[str]) -> No
     await exercise_lora(k, ns)
     await k.delete_cr(ns, "llm")
     await eventually(lambda: _gone(k, path), what="InferenceDeployment deleted")
+
+
+async def exercise_lws(k, ns: str, metrics: MetricsServer) -> None:
+    """Several nodes a replica: the Deployment gives way to a LeaderWorkerSet, which the autoscaler scales
+    through its scale subresource, and back on one node the LeaderWorkerSet goes."""
+    lws = f"{harness.LWS_PATH.format(ns=ns)}/llm"
+    await k.patch_cr(ns, "llm", {"spec": {"parallelism": {"tensor": 2}, "resources": {"gpusPerNode": 1}}})
+    await eventually(lambda: k.get(lws), what="the LeaderWorkerSet")
+    await eventually(lambda: _gone(k, f"/apis/apps/v1/namespaces/{ns}/deployments/llm"), what="Deployment removed")
+    await k.add_pod(ns, "llm-0", "llm", metrics.host, metrics.port, ready=True, labels=harness.LEADER_LABELS)
+
+    async def scaled():
+        obj = await k.get(lws)
+        return obj if obj["spec"]["replicas"] >= 2 else None
+    await eventually(scaled, what="the LeaderWorkerSet scaled")
+    await k.patch_cr(ns, "llm", {"spec": {"resources": {"gpusPerNode": 8}}})
+    await eventually(lambda: _gone(k, lws), what="the LeaderWorkerSet removed")
+    await eventually(lambda: k.deployment(ns, "llm"), what="the Deployment again")
 
 
 async def exercise_lora(k, ns: str) -> None:

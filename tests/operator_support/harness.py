@@ -28,6 +28,9 @@ CR_PATH = "/apis/kvpilot.io/v1alpha1/namespaces/{ns}/inferencedeployments"
 CR_KEY = "kvpilot.io/v1alpha1/inferencedeployments"
 LORA_PATH = "/apis/kvpilot.io/v1alpha1/namespaces/{ns}/loraadapters"
 LORA_KEY = "kvpilot.io/v1alpha1/loraadapters"
+LWS_KEY = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
+LWS_PATH = "/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets"
+LEADER_LABELS = {"leaderworkerset.sigs.k8s.io/worker-index": "0"}  # what the LWS controller puts on a leader
 ALL_VERBS = ["list", "watch", "get", "patch", "update", "create", "delete"]
 RESOURCES = {
     CR_KEY: dict(kind="InferenceDeployment", singular="inferencedeployment", namespaced=True, shortnames=["infd"],
@@ -52,6 +55,10 @@ RESOURCES = {
     # The Gateway API Inference Extension's CRD (spec.router.mode inferencePool); a test may take it away.
     "inference.networking.k8s.io/v1/inferencepools": dict(kind="InferencePool", singular="inferencepool",
                                                           namespaced=True, verbs=ALL_VERBS),
+    # LeaderWorkerSet's CRD (multi-node replicas, operator/lws.py), with its status and scale subresources as
+    # the published API has them; tests play its controller (status, pods). A test may take it away.
+    LWS_KEY: dict(kind="LeaderWorkerSet", singular="leaderworkerset", namespaced=True, shortnames=["lws"],
+                  verbs=ALL_VERBS, subresources=["status", "scale"]),
     # kopf waits for these to be discoverable (its "backbone"), even cluster-wide.
     "v1/namespaces": dict(kind="Namespace", singular="namespace", namespaced=False, verbs=["get", "list", "watch"]),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
@@ -130,12 +137,15 @@ class Cluster:
     async def deployment(self, ns: str, name: str) -> dict[str, Any] | None:
         return await self.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{name}")
 
-    async def add_pod(self, ns: str, name: str, owner: str, ip: str, port: int, ready: bool) -> None:
+    async def add_pod(self, ns: str, name: str, owner: str, ip: str, port: int, ready: bool,
+                      labels: dict[str, str] | None = None) -> None:
+        """A daemon pod; `labels` adds to the daemon labels (LEADER_LABELS: a LeaderWorkerSet group's leader)."""
         # Like a kubelet: the create sets no status, the status subresource does.
         await self.call("POST", f"/api/v1/namespaces/{ns}/pods", {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": ns,
-                         "labels": {"app.kubernetes.io/name": "kvpilot-daemon", "kvpilot.io/inferencedeployment": owner},
+                         "labels": {"app.kubernetes.io/name": "kvpilot-daemon", "kvpilot.io/inferencedeployment": owner,
+                                    **(labels or {})},
                          "annotations": {"kvpilot.io/metrics-port": str(port)}},
         })
         await self.set_pod_ready(ns, name, ip, ready)
