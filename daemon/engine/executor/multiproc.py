@@ -223,9 +223,9 @@ class MultiprocExecutor:
         except RankFailed as exc:
             self._failed = str(exc)
             raise
-        except (RuntimeError, TimeoutError, OSError) as exc:  # a collective with a rank that is gone or stuck
-            reasons = self._workers.reported(wait_s=0.5) or self._workers.dead()
-            self._failed = "; ".join(reasons) or f"a collective failed: {type(exc).__name__}: {exc}"
+        except (RuntimeError, TimeoutError, OSError) as exc:  # a rank gone or stuck, or a failure on this one
+            reasons = self._workers.reported(wait_s=2.0) or self._workers.dead()
+            self._failed = "; ".join([*reasons, f"rank 0: {type(exc).__name__}: {exc}"])
             raise RankFailed(self._failed) from exc
 
     def shutdown(self) -> None:
