@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,8 +109,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 # ----------------------------------------------------------------------------- load
 
 
-def _iter_safetensors(folder: Path, uri: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The folder's tensors, one shard open at a time. With ``model.safetensors.index.json`` only the files
+def _iter_safetensors(folder: Path, uri: str | None = None,
+                      keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors, one shard open at a time; with ``keep``, only the names it accepts (the files are
+    mapped, so the others are never read: a pipeline stage reads only its own layers). With ``model.safetensors.index.json`` only the files
     its weight_map names are read: repos may also ship other *.safetensors (Mistral's consolidated.safetensors
     holds the same weights under other names). Checked before the first tensor is read, so a missing shard
     fails at once rather than after the others were copied in."""
@@ -135,7 +137,8 @@ def _iter_safetensors(folder: Path, uri: str | None = None) -> Iterator[tuple[st
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, sf.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, sf.get_tensor(name)
 
     return tensors()
 
@@ -253,7 +256,8 @@ def load_model(config: EngineConfig, parallel: ParallelContext = SINGLE) -> Load
     except ValueError as e:  # a config field the native model cannot follow (RoPE type, activation, ...)
         raise ValueError(f"model {uri!r}: {e}") from e
     weights = iter_gguf_weights(gguf_file, hf_config, quantized_embeddings=quant_method.quantizes_embeddings) \
-        if gguf_file is not None and quant_method.name == "gguf" else _iter_safetensors(path, uri)
+        if gguf_file is not None and quant_method.name == "gguf" \
+        else _iter_safetensors(path, uri, keep=getattr(model, "wants_weight", None))
     try:
         model.load_weights(weights)
     except (KeyError, RuntimeError) as e:

@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,24 @@ class PromptLogprobs:
     top: list[list[tuple[int, float]]]
 
 
+@dataclass
+class PipelineStats:
+    """One rank's cumulative pipeline time (``ModelRunner.pipeline_stats``): seconds computing (its layers,
+    and the logits on the last stage) against seconds blocked in the transfers between stages, the bubble."""
+
+    compute_s: float = 0.0
+    recv_wait_s: float = 0.0  # waiting for the previous stage's hidden states (the results, on the driver)
+    send_wait_s: float = 0.0  # waiting for the next stage to take ours
+    steps: int = 0
+    micro_batches: int = 0
+
+    @property
+    def bubble(self) -> float:
+        """The share of this rank's pipeline time spent waiting."""
+        total = self.compute_s + self.recv_wait_s + self.send_wait_s
+        return (self.recv_wait_s + self.send_wait_s) / total if total else 0.0
+
+
 _PROMPT_LOGPROB_ROWS = 256  # rows of full-vocabulary logits at a time: bounds the memory a long prompt needs
 
 
@@ -136,8 +155,10 @@ class ModelRunner:
         # what the caches store; the kernels convert on write and cast to the model's dtype on read
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.block_size = config.block_size
-        self.num_layers: int = self.model.num_layers
-        self.num_kv_heads: int = self.model.num_kv_heads
+        self.parallel = loaded.parallel
+        # this rank's share: the layers of its pipeline stage, the KV heads of its tensor rank
+        self.num_layers: int = getattr(self.model, "num_local_layers", self.model.num_layers)
+        self.num_kv_heads: int = getattr(self.model, "num_local_kv_heads", self.model.num_kv_heads)
         self.head_dim: int = self.model.head_dim
         self.vocab_size: int = self.model.vocab_size
         self.k_caches: list[torch.Tensor] = []
@@ -152,6 +173,10 @@ class ModelRunner:
         self.kv_population: host_malloc.PagePopulation | None = None  # maps the CPU KV cache in (init_kv_cache)
         self.last_prompt_logprobs: dict[int, PromptLogprobs] = {}  # of the latest execute()
         self.lora: LoRAManager | None = None  # the adapters' slots, set by the engine with enable_lora
+        # pipeline parallelism: a step's entries go through the stages in this many micro-batches (at most
+        # one per entry), and the time each rank computed and waited
+        self.micro_batches = self.parallel.pp_size
+        self.pipeline_stats = PipelineStats()
         self._ensure_threads()
 
     def _ensure_threads(self) -> None:
@@ -163,7 +188,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """K and V of one block across all layers, in the KV cache dtype."""
+        """K and V of one block across this rank's layers and KV heads, in the KV cache dtype."""
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
@@ -197,9 +222,11 @@ class ModelRunner:
                 f"the KV cache budget ({source}) holds no block of {per_block} bytes; give the cache more memory"
             )
         blocks_per_seq = -(-self.loaded.max_model_len // self.block_size)
+        p = self.parallel
         logger.info(
-            "memory budget (%s): weights %.1f MiB, KV cache %s (%s model), %d bytes/block (%d tokens), "
+            "%smemory budget (%s): weights %.1f MiB, KV cache %s (%s model), %d bytes/block (%d tokens), "
             "%d blocks = %.1f MiB (%d tokens), max %d concurrent seqs at max_model_len=%d",
+            f"rank {p.rank} (tp {p.tp_rank}/{p.tp_size}, pp {p.pp_rank}/{p.pp_size}) " if p.world_size > 1 else "",
             source,
             self.weight_bytes / 2**20,
             str(self.kv_dtype).removeprefix("torch."),
@@ -219,14 +246,23 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         cfg = self.config
         hidden = self.model.hidden_size
-        inter = self.model.config.intermediate_size
         elem = torch.empty((), dtype=self.dtype).element_size()
+        inter = self._local_inter(elem)
         tokens = cfg.max_num_batched_tokens
         # live at once in one layer: residual, normed input, qkv, attention out, gate_up, activation
         act = tokens * (4 * hidden + 3 * hidden + 3 * inter) * elem
         logits = min(cfg.max_num_seqs, tokens) * self.vocab_size * (4 + elem) * 2
         return gpu_kv_budget(free=free, total=total, gpu_memory_utilization=cfg.gpu_memory_utilization,
                              reserved=act + logits, kv_cache_memory=cfg.kv_cache_memory)
+
+    def _local_inter(self, elem: int) -> int:
+        """This rank's widest MLP intermediate per row: its slice of a dense layer's, top_k experts' slices
+        for a MoE layer."""
+        layers = getattr(self.model, "layers", None)
+        if layers is None:
+            return int(self.model.config.intermediate_size)
+        return max((layer.moe.row_bytes(elem) // (2 * elem) if getattr(layer, "moe", None) is not None
+                    else layer.local_inter for layer in layers), default=0)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Allocate per-layer K and V ``[num_blocks, block_size, kv_heads, head_dim]`` in the KV cache dtype
@@ -401,13 +437,17 @@ class ModelRunner:
         return qsl[1:][entry_of_row] - 1 - back, entry_of_row
 
     @torch.inference_mode()
-    def execute(self, entries: list[SeqBatchEntry]) -> torch.Tensor:
+    def execute(self, entries: list[SeqBatchEntry]) -> torch.Tensor | None:
         """One forward pass over all entries; float32 logits ``[rows, vocab]``: for each entry with
-        compute_logits, in order, its last ``num_logits`` positions."""
+        compute_logits, in order, its last ``num_logits`` positions. Over several ranks every rank runs it
+        with the same entries; the logits and ``last_prompt_logprobs`` come back on the driver (global rank
+        0), None and {} on the others."""
         if not self.k_caches:
             raise RuntimeError("init_kv_cache must run before execute")
+        if self.parallel.pp_size > 1:
+            return self._execute_pipeline(entries)
         if not entries:
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return self._no_logits()
         self._ensure_threads()
         input_ids, positions, meta, rows, output_rows, lora = self._prepare(entries)
         hidden = None
@@ -420,24 +460,124 @@ class ModelRunner:
         if output_rows is None and rows.size != hidden.shape[0]:  # every row came back: keep the sampled ones
             hidden = hidden.index_select(0, torch.from_numpy(rows).to(self.device))
         if rows.size == 0:
-            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(hidden)
+            return self._no_logits()
+        return self.model.compute_logits(hidden)  # None on tensor ranks other than 0
+
+    def _no_logits(self) -> torch.Tensor | None:
+        if not self.parallel.is_driver:
+            return None
+        return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+
+    # ------------------------------------------------------------------ pipeline parallelism
+
+    def _micro_batch_ranges(self, entries: list[SeqBatchEntry]) -> list[tuple[int, int]]:
+        """``(start, stop)`` of up to ``micro_batches`` runs of contiguous entries, as even in tokens as the
+        entries allow (every rank sees the same entries, so every rank cuts the same way)."""
+        n = len(entries)
+        k = max(1, min(self.micro_batches, n))
+        if k == 1:
+            return [(0, n)]
+        cum = np.cumsum(np.fromiter((len(e.token_ids) for e in entries), dtype=np.int64, count=n))
+        total = int(cum[-1])
+        bounds = [0]
+        for j in range(1, k):
+            target = total * j / k
+            cut = int(np.searchsorted(cum, target)) + 1  # the first cut whose entries reach target tokens
+            if cut - 1 > bounds[-1] and target - cum[cut - 2] < cum[cut - 1] - target:
+                cut -= 1  # stopping one entry short is closer
+            bounds.append(min(max(cut, bounds[-1] + 1), n - (k - j)))  # every micro-batch keeps an entry
+        bounds.append(n)
+        return list(itertools.pairwise(bounds))
+
+    def _execute_pipeline(self, entries: list[SeqBatchEntry]) -> torch.Tensor | None:
+        """``execute`` on one rank of a pipeline: each micro-batch's hidden states from the previous stage (or
+        the embedding), this stage's layers, on to the next stage, which runs it while this one takes the next
+        micro-batch (GPipe's forward). The last stage computes the logits and prompt logprobs; its tensor rank 0
+        sends them to the driver once the step's micro-batches are through (sent as they came, they would
+        wait on a driver still sending the step's later micro-batches)."""
+        p = self.parallel
+        stats = self.pipeline_stats
+        self.last_prompt_logprobs = {}
+        if not entries:
+            return self._no_logits()
+        self._ensure_threads()
+        prev = None if p.is_first_stage else p.rank_of(p.pp_rank - 1, p.tp_rank)
+        nxt = None if p.is_last_stage else p.rank_of(p.pp_rank + 1, p.tp_rank)
+        ranges = self._micro_batch_ranges(entries)
+        parts: list[torch.Tensor] = []
+        scored: dict[int, PromptLogprobs] = {}
+        for start, stop in ranges:
+            batch = entries[start:stop]
+            input_ids, positions, meta, rows, output_rows, lora = self._prepare(batch)
+            hidden = None
+            if prev is not None:
+                hidden = torch.empty((input_ids.shape[0], self.model.hidden_size), dtype=self.dtype,
+                                     device=self.device)
+                t0 = time.perf_counter()
+                p.recv(hidden, prev)
+                stats.recv_wait_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = self.model(input_ids, positions, meta, output_rows, lora, hidden=hidden)
+            if nxt is not None:
+                t1 = time.perf_counter()
+                stats.compute_s += t1 - t0
+                p.send(out, nxt)
+                stats.send_wait_s += time.perf_counter() - t1
+                continue
+            scored.update((start + i, lp) for i, lp in self._prompt_logprobs(batch, out).items())
+            if output_rows is None and rows.size != out.shape[0]:
+                out = out.index_select(0, torch.from_numpy(rows).to(self.device))
+            if rows.size:
+                logits = self.model.compute_logits(out)
+                if logits is not None:  # a copy unless it is the last: compute_logits may reuse its buffer
+                    parts.append(logits if stop == len(entries) else logits.clone())
+            stats.compute_s += time.perf_counter() - t0
+        stats.steps += 1
+        stats.micro_batches += len(ranges)
+
+        num_rows = sum(e.num_logits for e in entries if e.compute_logits)
+        scores = any(e.prompt_targets for e in entries)
+        if p.rank == p.output_rank:
+            t0 = time.perf_counter()
+            if num_rows:
+                p.send(torch.cat(parts) if len(parts) > 1 else parts[0], 0)
+            if scores:
+                p.send_object(scored, 0)
+            stats.send_wait_s += time.perf_counter() - t0
+            return None
+        if not p.is_driver:
+            return None
+        logits = torch.empty((num_rows, self.vocab_size), dtype=torch.float32, device=self.device)
+        t0 = time.perf_counter()
+        if num_rows:
+            p.recv(logits, p.output_rank)
+        if scores:
+            self.last_prompt_logprobs = p.recv_object(p.output_rank)
+        stats.recv_wait_s += time.perf_counter() - t0
+        return logits
 
     def _prompt_logprobs(self, entries: list[SeqBatchEntry], hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
-        """Entry index -> its prompt targets' logprobs, for the entries that asked (prompt_targets)."""
+        """Entry index -> its prompt targets' logprobs, for the entries that asked (prompt_targets); {} on the
+        tensor ranks other than 0, which only take part in the logits' gathers."""
         out: dict[int, PromptLogprobs] = {}
         offset = 0
         for i, e in enumerate(entries):
             if e.prompt_targets:
-                out[i] = self._score_rows(hidden, offset, e.prompt_targets, e.prompt_top_k)
+                scored = self._score_rows(hidden, offset, e.prompt_targets, e.prompt_top_k)
+                if scored is not None:
+                    out[i] = scored
             offset += len(e.token_ids)
         return out
 
-    def _score_rows(self, hidden: torch.Tensor, start: int, targets: list[int], k: int) -> PromptLogprobs:
-        res = PromptLogprobs([], [], [])
+    def _score_rows(self, hidden: torch.Tensor, start: int, targets: list[int], k: int) -> PromptLogprobs | None:
+        res, mine = PromptLogprobs([], [], []), True
         for a in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
             tgt = torch.tensor(targets[a : a + _PROMPT_LOGPROB_ROWS], device=self.device)
-            logits = self.model.compute_logits(hidden[start + a : start + a + tgt.numel()]).float()
+            logits = self.model.compute_logits(hidden[start + a : start + a + tgt.numel()])
+            if logits is None:  # another tensor rank: its part of the gather is done
+                mine = False
+                continue
+            logits = logits.float()
             lse = torch.logsumexp(logits, dim=-1)
             chosen = logits.gather(1, tgt[:, None])
             res.logprobs += (chosen.squeeze(1) - lse).tolist()
@@ -448,7 +588,7 @@ class ModelRunner:
                             in zip(ids.tolist(), (vals - lse[:, None]).tolist(), strict=True)]
             else:
                 res.top += [[] for _ in range(tgt.numel())]
-        return res
+        return res if mine else None
 
     def wait_for_kv_cache_mapped(self, num_blocks: int | None = None) -> None:
         """Return once the background thread has mapped in the CPU KV cache's first ``num_blocks`` blocks
@@ -476,6 +616,8 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Decode graphs per batch-size bucket (see cuda_graphs); a failed capture leaves eager mode."""
         if not cuda_graphs.enabled(self.device, self.config.enforce_eager) or self._graphs is not None:
+            return
+        if self.parallel.world_size > 1:  # the graphs would capture collectives; several ranks run eagerly
             return
         sizes = cuda_graphs.capture_sizes(self.config.max_num_seqs)
         max_blocks = -(-self.loaded.max_model_len // self.block_size)

@@ -264,9 +264,13 @@ class DecoderForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.num_layers = spec.num_layers
+        self.parallel = parallel
+        self.num_layers = spec.num_layers  # the whole model's; this stage holds ``layers`` (num_local_layers)
+        # this pipeline stage's decoder layers: self.layers[i] is checkpoint layer first_layer + i
+        stage = parallel.stage_layers(spec.num_layers)
+        self.first_layer = stage.start
         self.hidden_size = spec.hidden_size
-        self.vocab_size = spec.vocab_size
+        self.vocab_size = spec.vocab_size  # the real vocabulary: logits have this many columns
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -282,20 +286,35 @@ class DecoderForCausalLM(nn.Module):
         # embedding looks rows up through its method), and a tied head is the embedding's layer itself
         self.embed_layer: Linear | None = None
         self.lm_head_layer: Linear | None = None
-        if quant_method.quantizes_embeddings:
+        if quant_method.quantizes_embeddings:  # replicated on every rank and stage
             self.embed_layer = Linear.replicated(self.hidden_size, self.vocab_size, quant_method=quant_method, **kw)
             self.lm_head_layer = self.embed_layer if self.tie_word_embeddings else \
                 Linear.replicated(self.hidden_size, self.vocab_size, quant_method=quant_method, **kw)
-        self.embed_tokens = None if self.embed_layer is not None else _param(self.vocab_size, self.hidden_size, **kw)
+        # float embedding and LM head: split by vocabulary rows over the tensor ranks (vLLM's padding to a
+        # multiple of 64 per rank); this rank holds rows [vocab_start, vocab_start + head_rows)
+        self.head_rows, self.vocab_start = self.vocab_size, 0
+        if parallel.tp_size > 1 and self.embed_layer is None:
+            padded = -(-self.vocab_size // (64 * parallel.tp_size)) * 64 * parallel.tp_size
+            self.head_rows = padded // parallel.tp_size
+            self.vocab_start = parallel.tp_rank * self.head_rows
+        # the first stage looks tokens up, the last one computes the logits (a tied head there is the
+        # embedding shard, a copy of its own when the stages differ)
+        self.embed_tokens = _param(self.head_rows, self.hidden_size, **kw) \
+            if self.embed_layer is None and parallel.is_first_stage else None
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, dtype=dtype, device=device, quant_method=quant_method,
                          parallel=parallel, rope_index=rope_keys.index(spec.layers[i].rope_key))
-            for i in range(self.num_layers)
+            for i in stage
         )
         norm_dtype = dtype if spec.norm_weight == "model_dtype" else torch.float32
-        self.norm = _param(self.hidden_size, dtype=norm_dtype, device=device)
-        self.lm_head = None if self.lm_head_layer is not None else self.embed_tokens if self.tie_word_embeddings \
-            else _param(self.vocab_size, self.hidden_size, **kw)
+        self.norm = _param(self.hidden_size, dtype=norm_dtype, device=device) if parallel.is_last_stage else None
+        self.lm_head = None
+        if self.lm_head_layer is None and parallel.is_last_stage:
+            self.lm_head = self.embed_tokens if self.tie_word_embeddings and self.embed_tokens is not None \
+                else _param(self.head_rows, self.hidden_size, **kw)
+        for table in (self.embed_tokens, self.lm_head):
+            if table is not None and self.head_rows * parallel.tp_size != self.vocab_size:
+                table.data[max(0, self.vocab_size - self.vocab_start):].zero_()  # padded rows: logits of 0
         # Gemma multiplies the embeddings by sqrt(hidden) cast to the model dtype
         self.embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale, dtype=dtype, device=device)
 
@@ -327,34 +346,80 @@ class DecoderForCausalLM(nn.Module):
         cast = {"device": self.device, "dtype": self.dtype}
         return (freqs.cos() * attn_scale).to(**cast), (freqs.sin() * attn_scale).to(**cast)
 
+    @property
+    def num_local_layers(self) -> int:
+        """The decoder layers this stage holds and runs: one K and one V cache each."""
+        return len(self.layers)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads of this tensor rank (all of them with one rank): the KV cache's head dimension."""
+        return self.layers[0].local_kv_heads if len(self.layers) else self.num_kv_heads
+
     def bind_kv_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        if len(k_caches) != self.num_layers or len(v_caches) != self.num_layers:
-            raise ValueError(f"need {self.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
+        n = self.num_local_layers
+        if len(k_caches) != n or len(v_caches) != n:
+            raise ValueError(f"need {n} K and V caches, got {len(k_caches)} and {len(v_caches)}")
         self.k_caches, self.v_caches = list(k_caches), list(v_caches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata,
-                output_rows: OutputRows | None = None, lora: LoRABatch | None = None) -> torch.Tensor:
+                output_rows: OutputRows | None = None, lora: LoRABatch | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` → final-normed hidden states ``[T, hidden]``, or only those of
         ``output_rows`` (``[R, hidden]``), which the last layer then computes alone; ``lora``: the rows'
-        adapters, when the step has any."""
+        adapters, when the step has any. A later pipeline stage takes the previous stage's ``hidden``
+        ``[T, hidden]`` instead of embedding; a stage before the last returns its layers' output, not normed,
+        for all T rows."""
         if not self.k_caches:
             raise RuntimeError("KV caches are not bound; call bind_kv_caches first")
-        x = F.embedding(input_ids, self.embed_tokens) if self.embed_layer is None \
-            else self.quant_method.embed(self.embed_layer, input_ids)
-        if self.embed_scale is not None:
+        if hidden is not None:
+            x = hidden
+        elif self.embed_layer is not None:
+            x = self.quant_method.embed(self.embed_layer, input_ids)
+        elif self.embed_tokens is None:
+            raise RuntimeError("a pipeline stage after the first needs the previous stage's hidden states")
+        elif self.head_rows == self.vocab_size:
+            x = F.embedding(input_ids, self.embed_tokens)
+        else:
+            x = self._embed_shard(input_ids)
+        if self.embed_scale is not None and hidden is None:
             x = x * self.embed_scale
         tables = [
             (cos.index_select(0, positions).unsqueeze(1),  # [T, 1, head_dim/2]
              None if sin is None else sin.index_select(0, positions).unsqueeze(1))
             for cos, sin in zip(self.rope_cos, self.rope_sin, strict=True)
         ]
-        last = self.num_layers - 1
+        if self.norm is None:  # a stage before the last: every row goes on to the next stage
+            output_rows = None
+        last = len(self.layers) - 1
         for i, (layer, kc, vc) in enumerate(zip(self.layers, self.k_caches, self.v_caches, strict=True)):
             cos, sin = tables[layer.rope_index]
             x = layer(x, cos, sin, attn_meta, kc, vc, output_rows if i == last else None, lora)
-        return _rms_norm(x, self.norm, self.eps)
+        return x if self.norm is None else _rms_norm(x, self.norm, self.eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: this rank's rows, zeros for the ids other ranks hold, summed over them."""
+        assert self.embed_tokens is not None
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.head_rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        x.masked_fill_(outside.unsqueeze(1), 0)
+        return self.parallel.all_reduce(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits ``[rows, vocab]`` on tensor rank 0 (None on the others, which only take part in
+        the gather of the vocabulary slices); see ``_head_logits``."""
+        if self.parallel.tp_size == 1:
+            return self._head_logits(hidden)
+        logits = self._head_logits(hidden)
+        if self.lm_head_layer is not None:  # a replicated head: every rank has all of them
+            return logits if self.parallel.tp_rank == 0 else None
+        full = self.parallel.gather_to_first(logits, dim=-1)
+        if full is None:
+            return None
+        return full[:, : self.vocab_size].contiguous() if full.shape[1] != self.vocab_size else full
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of final-normed ``hidden``. On the CPU a matrix above 32 MiB
         (more than 170 rows of a 49k vocabulary) is a view of a buffer the model keeps, valid until the next
         call: as a fresh tensor it page-faulted in on every step, a third of a 256-row decode step
@@ -362,17 +427,19 @@ class DecoderForCausalLM(nn.Module):
         whose outputs malloc keeps and hands out again."""
         if self.lm_head_layer is not None:
             return self._soft_cap(self.lm_head_layer(hidden).float())
-        rows = hidden.shape[0]
-        slices = row_slices(rows, 4 * self.vocab_size) if self.device.type == "cpu" else None
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
+        rows, cols = hidden.shape[0], self.head_rows  # this rank's vocabulary slice (all of it with one rank)
+        slices = row_slices(rows, 4 * cols) if self.device.type == "cpu" else None
         if slices is None:
             return self._soft_cap(linear(hidden, self.lm_head, None, self.lm_head_panels).float())
         if self._logits_out is None or self._logits_out.shape[0] < rows:
-            self._logits_out = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.device)
+            self._logits_out = torch.empty((rows, cols), dtype=torch.float32, device=self.device)
         out = self._logits_out[:rows]
         # the panel GEMM writes into the kept buffer itself: one pass over the head's weights, where each slice
         # below reads all of them again (a 262k vocabulary slices every 32 rows)
         if self.lm_head_panels is not None and rows <= small_batch_rows() and ops.panel_gemm(
-                hidden, self.lm_head_panels, self.vocab_size, None, None, out=out) is not None:
+                hidden, self.lm_head_panels, cols, None, None, out=out) is not None:
             return self._soft_cap(out)
         for part in slices:
             out[part].copy_(linear(hidden[part], self.lm_head, None, self.lm_head_panels))
@@ -395,7 +462,7 @@ class DecoderForCausalLM(nn.Module):
         """
         if self.prepacked or not prepack_supported(self.device, self.dtype):
             return False
-        if self.lm_head is None:  # a quantized head: only the float layers pack
+        if self.lm_head is None:  # a quantized head, or none on this stage: only the float layers pack
             for layer in self.layers:
                 layer.prepack_weights(keep_panels=False)
             self.prepacked = True
@@ -407,7 +474,7 @@ class DecoderForCausalLM(nn.Module):
             layer.prepack_weights(keep_panels=keep)
         packed_head = prepack(head)
         if keep:  # a tied head is the embedding table, which the token lookup still reads densely
-            self.lm_head_panels = ops.pack_panels(head.detach()) if self.tie_word_embeddings \
+            self.lm_head_panels = ops.pack_panels(head.detach()) if head is self.embed_tokens \
                 else panels_in_place(head)
         del self._parameters["lm_head"]  # tied: the embedding stays registered as embed_tokens
         self.register_buffer("lm_head", packed_head, persistent=False)
@@ -426,7 +493,8 @@ class DecoderForCausalLM(nn.Module):
         skipped: list[str] = []
         for name, w in weights:
             key = _canonical(name)
-            if key is None or "rotary_emb." in key or (key.startswith("lm_head.") and self.tie_word_embeddings):
+            if key is None or "rotary_emb." in key or not self.wants_weight(name):
+                del w  # never two whole checkpoint tensors at once: the next one is read as this goes
                 continue
             try:
                 covered = self._load_moe(key, w)  # a fused expert tensor covers many expected names
@@ -434,6 +502,7 @@ class DecoderForCausalLM(nn.Module):
                     covered = (key,) if self._load_one(key, w) else ()
             except RuntimeError as e:
                 raise RuntimeError(f"{name}: {e}") from None
+            del w
             if not covered:
                 skipped.append(name)
                 continue
@@ -445,6 +514,30 @@ class DecoderForCausalLM(nn.Module):
             raise KeyError(f"missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for proj in self._linear_layers():
             proj.process_weights_after_loading()
+
+    def wants_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` is any of this rank's: False for the layers, embedding, head and
+        final norm that other pipeline stages hold and the tied head's own name, so that a loader need not
+        even read those (``load_weights`` skips them quietly too). Unknown names are wanted: they are warned of."""
+        key = _canonical(name)
+        if key is None:
+            return False
+        top, _, rest = key.partition(".")
+        if top == "lm_head":
+            return not self.tie_word_embeddings and (self.lm_head is not None or self.lm_head_layer is not None)
+        if top == "embed_tokens" and self.embed_layer is None:
+            return self.embed_tokens is not None or (self.tie_word_embeddings and self.lm_head is not None)
+        if key == "norm.weight":
+            return self.norm is not None
+        if top == "layers":
+            index = rest.partition(".")[0]
+            return not index.isdigit() or self._local_layer(int(index)) is not None
+        return True
+
+    def _local_layer(self, index: int) -> DecoderLayer | None:
+        """Checkpoint layer ``index`` if this stage holds it."""
+        local = index - self.first_layer
+        return self.layers[local] if 0 <= local < len(self.layers) else None  # type: ignore[return-value]
 
     def _linear_layers(self) -> list[Linear]:
         heads = [h for h in dict.fromkeys((self.embed_layer, self.lm_head_layer)) if h is not None]
@@ -463,9 +556,10 @@ class DecoderForCausalLM(nn.Module):
     def _load_moe(self, key: str, w: torch.Tensor) -> tuple[str, ...]:
         """Tensor ``key`` into its layer's MoE block; the expected names it covers, () where it is none of it."""
         parts = key.split(".", 2)
-        if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= self.num_layers:
+        if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
             return ()
-        block = self.layers[int(parts[1])].moe
+        layer = self._local_layer(int(parts[1]))
+        block = None if layer is None else layer.moe
         if block is None:
             return ()
         return tuple(f"layers.{parts[1]}.{rel}" for rel in block.load(parts[2], w))
@@ -477,16 +571,21 @@ class DecoderForCausalLM(nn.Module):
         if head is not None and kind in head.quant_method.checkpoint_names():
             head.load(kind, w)
             return True
-        if key == "embed_tokens.weight" and self.embed_tokens is not None:
-            return _copy(self.embed_tokens.data, w)
+        if key == "embed_tokens.weight" and self.embed_layer is None:
+            tables = [] if self.embed_tokens is None else [self.embed_tokens]
+            if self.tie_word_embeddings and self.lm_head is not None and self.lm_head is not self.embed_tokens:
+                tables.append(self.lm_head)  # the tied head of a last stage that does not embed: a copy
+            return all(self._copy_vocab(table, w) for table in tables) and bool(tables)
         if key == "lm_head.weight" and self.lm_head is not None:
-            return _copy(self.lm_head.data, w)
-        if key == "norm.weight":
+            return self._copy_vocab(self.lm_head, w)
+        if key == "norm.weight" and self.norm is not None:
             return _copy(self.norm.data, self._norm_weight(w))
         parts = key.split(".")
-        if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= self.num_layers:
+        if len(parts) < 4 or parts[0] != "layers" or not parts[1].isdigit():
             return False
-        layer: DecoderLayer = self.layers[int(parts[1])]  # type: ignore[assignment]
+        layer = self._local_layer(int(parts[1]))
+        if layer is None:
+            return False
         sub, kind = ".".join(parts[2:-1]), parts[-1]
         if sub == "self_attn" and kind == "sinks" and layer.sinks is not None:  # this rank's heads
             return _copy(layer.sinks.data, w.narrow(0, layer.q_head_start, layer.local_heads)
@@ -516,6 +615,15 @@ class DecoderForCausalLM(nn.Module):
                                  fused_rows=sum(sizes))
         return True
 
+    def _copy_vocab(self, table: torch.Tensor, w: torch.Tensor) -> bool:
+        """A whole ``[vocab, hidden]`` embedding or LM head into this rank's rows of it (the padded ones stay 0)."""
+        if self.head_rows == self.vocab_size:
+            return _copy(table.data, w)
+        if tuple(w.shape) != (self.vocab_size, self.hidden_size):
+            raise RuntimeError(f"checkpoint shape {tuple(w.shape)} != expected {(self.vocab_size, self.hidden_size)}")
+        rows = max(0, min(self.head_rows, self.vocab_size - self.vocab_start))
+        return _copy(table.data[:rows], w[self.vocab_start : self.vocab_start + rows])
+
     def _load_partition(self, proj: Linear, attr: str, partition: int, kind: str, w: torch.Tensor,
                         **fused: int) -> None:
         order = None
@@ -530,11 +638,16 @@ class DecoderForCausalLM(nn.Module):
         return 1.0 + w.float() if self.spec.norm_weight == "one_plus" else w
 
     def _expected_names(self) -> set[str]:
-        names = {"norm.weight"}
-        heads = ["embed_tokens"] if self.tie_word_embeddings else ["embed_tokens", "lm_head"]
-        kinds = self.quant_method.checkpoint_names() if self.embed_layer is not None else ("weight",)
+        names = {"norm.weight"} if self.norm is not None else set()
+        if self.embed_layer is not None:  # quantized heads: on every stage
+            heads = ["embed_tokens"] if self.tie_word_embeddings else ["embed_tokens", "lm_head"]
+            kinds = self.quant_method.checkpoint_names()
+        else:  # this stage's: the embedding where it embeds or holds the tied head, the untied head
+            heads = ["embed_tokens"] if self.wants_weight("embed_tokens.weight") else []
+            heads += ["lm_head"] if self.lm_head is not None and not self.tie_word_embeddings else []
+            kinds = ("weight",)
         names |= {f"{head}.{kind}" for head in heads for kind in kinds}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers, start=self.first_layer):
             p = f"layers.{i}."
             names |= {f"{p}{hf}.weight" for hf, _ in self.spec.weights.norms}
             if layer.sinks is not None:
