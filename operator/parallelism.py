@@ -63,8 +63,6 @@ def rule_errors(spec: dict[str, Any]) -> list[str]:
     if isinstance(per_node, int) and per_node > 0 and world > per_node and world % per_node:
         errors.append(GPUS_PER_NODE_MESSAGE)
     e = spec.get("engine") or {}
-    if world > 1 and e.get("enableLora"):
-        errors.append(LORA_MESSAGE)
     if world > 1 and isinstance(e.get("speculative"), dict) and e["speculative"].get("method") != "ngram":
         errors.append(SPECULATIVE_MESSAGE)
     return errors
@@ -73,7 +71,6 @@ def rule_errors(spec: dict[str, Any]) -> list[str]:
 # The messages of the CRD's rules (crds/inferencedeployment.yaml), word for word.
 GPUS_PER_NODE_MESSAGE = ("parallelism.tensor * parallelism.pipeline must be at most resources.gpusPerNode (one "
                          "node) or a multiple of it (whole nodes)")
-LORA_MESSAGE = "engine.enableLora needs parallelism.tensor and parallelism.pipeline 1: the daemon refuses it"
 SPECULATIVE_MESSAGE = ("engine.speculative.method must be ngram with parallelism.tensor or parallelism.pipeline "
                        "above 1: the daemon refuses a draft model there")
 LWS_NAME_MESSAGE = ("metadata.name must start with a letter and have no dots when replicas span several nodes: "

@@ -200,7 +200,7 @@ def obj(s: dict) -> dict:
     (6, 2, 8, {}, parallelism.GPUS_PER_NODE_MESSAGE),  # 12 ranks cannot fill whole nodes of 8
     (6, 2, 4, {}, None),             # three nodes of 4
     (1, 1, None, {"enableLora": True}, None),
-    (2, 1, None, {"enableLora": True}, parallelism.LORA_MESSAGE),
+    (2, 1, None, {"enableLora": True}, None),  # adapters follow the tensor split
     (1, 2, None, {"speculative": {"method": "draft_model", "numSpeculativeTokens": 2, "model": "self:2"}},
      parallelism.SPECULATIVE_MESSAGE),
     (2, 1, None, {"speculative": {"method": "ngram", "numSpeculativeTokens": 2}}, None),

@@ -1,6 +1,7 @@
 """Issue 36's engine across ranks on the CPU (gloo): the offline API with tensor_parallel_size and
 pipeline_parallel_size gives a single process's greedy tokens and prompt logprobs under chunked prefill,
-prefix caching, preemption (recompute and swap), n > 1 and n-gram speculation; SmolLM2 at tensor 3; bad
+prefix caching, preemption (recompute and swap), n > 1, n-gram speculation and LoRA adapters; SmolLM2 at
+tensor 3; bad
 sizes and unsupported combinations refused; a rank that hangs makes the engine fail instead of stall."""
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from kvpilot.daemon.engine import LLM, EngineConfig, LLMEngine
 from kvpilot.daemon.engine.executor.layout import DEFAULT_DIST_PORT, node_layout
 from kvpilot.daemon.engine.executor.multiproc import RankFailed
 from kvpilot.daemon.engine.executor.shm_broadcast import ShmBroadcast
+from kvpilot.daemon.engine.lora import LoRARequest
 from kvpilot.daemon.engine.sampling_params import SamplingParams
 from tests.support.hf_parity import save_tiny, token_prompts
+from tests.support.lora_adapters import write_adapter
 from tests.support.rank_procs import spawned_ranks
 
 pytestmark = pytest.mark.slow
@@ -130,9 +133,34 @@ def test_sizes_that_do_not_divide_are_named(llama8: Path) -> None:
         LLM(str(llama8), **_engine_kwargs(pipeline_parallel_size=4))
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_lora_adapters_follow_the_split(tmp_path: Path, llama8: Path, tp: int, pp: int) -> None:
+    """Two adapters on every projection (row-split o and down included) and the base, mixed in each step:
+    the same greedy tokens and prompt logprobs as one process; an adapter removed on every rank."""
+    hf = LlamaForCausalLM.from_pretrained(llama8)
+    adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(tmp_path / f"a{i}", hf, rank=8, seed=i, std=0.2)))
+                for i in range(2)]
+    prompts = [{"prompt_token_ids": p} for p in token_prompts(vocab=512)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1, ignore_eos=True)
+    runs = []
+    for t, p in ((1, 1), (tp, pp)):
+        llm = LLM(str(llama8), **_engine_kwargs(tensor_parallel_size=t, pipeline_parallel_size=p, enable_lora=True,
+                                               max_loras=2, num_kv_blocks=32))
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[adapters[0], None, adapters[1]])
+            runs.append(([list(o.outputs[0].token_ids) for o in outs],
+                         [pos[tok].logprob for o in outs for pos, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:],
+                                                                              strict=True)]))
+            base = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert list(base) != runs[-1][0][0]  # the adapter changes the output: it is applied
+            assert llm.engine.remove_lora(1) and llm.engine.list_loras() == {2}
+        finally:
+            llm.engine.shutdown()
+    assert runs[1][0] == runs[0][0]
+    assert max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1], strict=True)) < LOGPROB_TOL
+
+
 def test_combinations_not_supported_are_refused() -> None:
-    with pytest.raises(ValueError, match="enable_lora"):
-        EngineConfig(tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig(pipeline_parallel_size=2, speculative_config={"method": "draft_model", "model": "self:1",
                                                                    "num_speculative_tokens": 2})

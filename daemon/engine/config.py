@@ -203,9 +203,6 @@ class EngineConfig:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         if not self.distributed_timeout > 0:
             raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
-        if self.world_size > 1 and self.enable_lora:
-            raise ValueError("enable_lora is not supported with tensor_parallel_size or pipeline_parallel_size "
-                             "above 1 yet; serve adapters on single-rank replicas")
         spec = self.speculative
         if self.world_size > 1 and spec is not None and spec.method != "ngram":
             raise ValueError(f"speculative_config method {spec.method!r} is not supported with "

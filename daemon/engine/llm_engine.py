@@ -98,10 +98,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.model_name
         if self.config.enable_lora:  # before the KV cache: on a GPU its slots take memory the cache must leave
-            from .lora.manager import LoRAManager
-
-            self.runner.lora = LoRAManager(self.config, self.loaded.model, dtype=self.loaded.dtype,
-                                           device=self.loaded.device)
+            self.runner.enable_lora()
         num_blocks = self.runner.num_blocks_for_budget()
         num_cpu_blocks = 0
         if self.config.preemption_mode == "swap":

@@ -179,6 +179,12 @@ class ModelRunner:
         self.pipeline_stats = PipelineStats()
         self._ensure_threads()
 
+    def enable_lora(self) -> None:
+        """Adapter slots in the model's linear layers (this rank's part of each), and the manager of them."""
+        from .lora.manager import LoRAManager
+
+        self.lora = LoRAManager(self.config, self.model, dtype=self.dtype, device=self.device)
+
     def _ensure_threads(self) -> None:
         if self.device.type == "cpu" and self._threads_set_for != threading.get_ident():
             _configure_cpu_threads(self.config.num_threads)

@@ -114,6 +114,26 @@ class _Workers:
                 p.join(1.0)
 
 
+class _LoRAOnEveryRank:
+    """The ranks' LoRA managers, kept alike: an adapter is added or removed on every rank, in order with the
+    steps; what is held is read from the driver's, the same as every other's."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor = executor
+
+    def add(self, request: Any) -> Any:
+        return self._executor._call(("lora", "add", request))  # noqa: SLF001 - the executor's own helper
+
+    def remove(self, lora_int_id: int) -> bool:
+        return bool(self._executor._call(("lora", "remove", lora_int_id)))  # noqa: SLF001
+
+    def list_ids(self) -> set[int]:
+        return self._executor.runner.lora.list_ids()
+
+    def holds(self, request: Any) -> bool:
+        return self._executor.runner.lora.holds(request)
+
+
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, layout: NodeLayout) -> None:
         if layout.node_rank != 0:
@@ -154,7 +174,11 @@ class MultiprocExecutor:
 
     # -- the runner's interface, as the engine uses it
 
-    lora = None  # adapters are refused above one rank (EngineConfig)
+    lora: _LoRAOnEveryRank | None = None
+
+    def enable_lora(self) -> None:
+        self._call(("enable_lora",))
+        self.lora = _LoRAOnEveryRank(self)
 
     @property
     def vocab_size(self) -> int:

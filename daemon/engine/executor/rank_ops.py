@@ -4,7 +4,7 @@ the workers on theirs, so every rank makes the same calls, collectives included,
 A message is a tuple: ``("execute", moves, entries)`` (the block moves since the last step, then the step),
 ``("init_kv_cache", num_blocks, num_cpu_blocks)``, ``("warmup",)``, ``("kv_blocks",)`` (the blocks every rank
 can hold: the least of the ranks' budgets), ``("weight_bytes",)`` (the sum over the ranks),
-``("pipeline_stats",)``, ``("noop",)`` (the driver's heartbeat to other nodes) and ``("shutdown",)``.
+``("enable_lora",)``, ``("lora", "add" | "remove", arg)``, ``("pipeline_stats",)``, ``("noop",)`` (the driver's heartbeat to other nodes) and ``("shutdown",)``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..lora.errors import LoRAAdapterError
 from ..models.parallel import ParallelContext
 from ..runner import ModelRunner
 
@@ -44,6 +45,18 @@ class RankOps:
             return self._reduce(self.runner.num_blocks_for_budget(), torch.distributed.ReduceOp.MIN)
         if op == "weight_bytes":
             return self._reduce(self.runner.loaded.weight_bytes, torch.distributed.ReduceOp.SUM)
+        if op == "enable_lora":
+            return self.runner.enable_lora()
+        if op == "lora":  # add or remove an adapter: every rank's manager goes through the same changes
+            method, *rest = args
+            if method not in ("add", "remove"):
+                raise ValueError(f"unknown LoRA call {method!r}")
+            try:
+                return getattr(self.runner.lora, method)(*rest)
+            except LoRAAdapterError:
+                if self.parallel.is_driver:
+                    raise
+                return None  # every rank reads the same files and fails alike: the driver reports it
         if op == "pipeline_stats":
             return self._gather(getattr(self.runner, "pipeline_stats", None))
         if op in ("noop", "shutdown"):

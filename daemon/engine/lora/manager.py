@@ -42,12 +42,15 @@ class LoRAManager:
         self._slot_used = [0] * self.max_loras  # activation count at each slot's last use (LRU among slots)
         self._activations = 0
         self.layers: dict[tuple[int, str], LoRASlots] = {}
-        for index, layer in enumerate(model.layers):
+        first = getattr(model, "first_layer", 0)  # a pipeline stage holds layers first, first + 1, ...
+        for local, layer in enumerate(model.layers):
+            index = first + local
             for attr in _PROJECTIONS:
                 proj = getattr(layer, attr, None)
                 if proj is None:  # a MoE layer's MLP: adapters may not target it (peft.py refuses)
                     continue
-                proj.lora = LoRASlots(proj.in_features, proj.out_per_rank, len(proj.partitions),
+                # this rank's part of the layer: its input columns (a row split) and output rows
+                proj.lora = LoRASlots(proj.in_per_rank, proj.out_per_rank, len(proj.partitions),
                                       num_slots=self.max_loras, max_rank=self.max_rank, dtype=dtype, device=device)
                 self.layers[(index, attr)] = proj.lora
         if device.type == "cuda":  # all slots now, so that the KV cache, sized next, leaves them room

@@ -173,7 +173,10 @@ def load_adapter(request: LoRARequest, model: Any, *, max_rank: int, dtype: torc
         index, (attr, part) = int(m.group("index")), projections[m.group("sub")]
         if index >= model.num_layers:
             raise _fail(request, f"{module}: the base model has {model.num_layers} layers")
-        layer = model.layers[index]
+        local = index - getattr(model, "first_layer", 0)
+        if not 0 <= local < len(model.layers):  # another pipeline stage's layer: that stage fits it
+            continue
+        layer = model.layers[local]
         proj = getattr(layer, attr, None)
         if proj is None:
             raise _fail(request, f"{module}: LoRA on mixture-of-experts layers is not supported")
@@ -194,9 +197,11 @@ def load_adapter(request: LoRARequest, model: Any, *, max_rank: int, dtype: torc
 
 def _fit(request: LoRARequest, model: Any, proj: Any, attr: str, part: int | None, module: str,
          a: torch.Tensor, b: torch.Tensor) -> list[LoRAUnit]:
-    """The units of one module: B's rows sliced and ordered as the layer keeps the module's rows."""
-    if proj.split == "row" and proj.parallel.tp_size > 1:
-        raise _fail(request, "LoRA with tensor parallelism is not supported yet")
+    """The units of one module: B's rows sliced and ordered as the layer keeps the module's rows, and for a
+    layer split by input columns over the tensor ranks, A's columns of this rank (each rank's partial update
+    is then summed with the layer's own partial output)."""
+    if proj.split == "row":
+        a = a[:, proj.in_start:proj.in_start + proj.in_per_rank]
     partitions = range(len(proj.partitions)) if part is None else [part]
     total = sum(proj.partitions[p][0] for p in partitions)
     if b.shape[0] != total:

@@ -217,11 +217,13 @@ class Linear(nn.Module):
         ``lora`` (the rows' adapter slots), each row's adapter update is added too."""
         if self.split != "row" or self.parallel.tp_size == 1:
             y = self.quant_method.apply(self, x, self.bias, residual)
-        else:
-            y = self.parallel.all_reduce(self.quant_method.apply(self, x, None, None))
-            if self.bias is not None:
-                y = y + self.bias
-            y = y if residual is None else residual + y
-        if lora is not None and self.lora is not None:
+            if lora is not None and self.lora is not None:
+                self.lora.apply(y, x, lora)
+            return y
+        y = self.quant_method.apply(self, x, None, None)
+        if lora is not None and self.lora is not None:  # this rank's input columns' share, summed with y's
             self.lora.apply(y, x, lora)
-        return y
+        y = self.parallel.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if residual is None else residual + y
