@@ -223,9 +223,12 @@ class MultiprocExecutor:
         return self._call(("pipeline_stats",))
 
     def wait_for_kv_cache_mapped(self, num_blocks: int | None = None) -> None:
-        self.runner.wait_for_kv_cache_mapped(num_blocks)
+        """Until every rank's cache has its first ``num_blocks`` blocks mapped in."""
+        self._call(("kv_mapped", num_blocks))
 
     def pause_kv_cache_mapping_while(self, busy: Callable[[], bool]) -> None:
+        """The driver's cache maps in while ``busy()`` is false; the other ranks' while they idle."""
+        self._call(("kv_mapping_when_idle",))
         self.runner.pause_kv_cache_mapping_while(busy)
 
     # -- messages
