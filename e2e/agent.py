@@ -11,7 +11,8 @@
 - hands a pod that names a ServiceAccount its token, as a kubelet does (podcreds.py): a TokenRequest, the
   files in the pod's folder, and KUBECONFIG pointing at them (the router reads the API that way);
 - with `replicasets=True` (the emulator, which has no controller-manager) also the Deployment and
-  ReplicaSet controllers (replicaset.py) and the EndpointSlice controller (endpointslices.py).
+  ReplicaSet controllers (replicaset.py), the LeaderWorkerSet controller (leaderworkerset.py) and the
+  EndpointSlice controller (endpointslices.py).
 
 On a cluster it needs only what a kubelet may do, plus the scheduler's pods/binding (see README.md).
 """
@@ -36,8 +37,9 @@ import aiohttp
 
 from . import netns, podcreds, procs
 from . import node as nodes
-from .cluster import NODES, Kube, condition, deployments, now_iso, pods, terminating
+from .cluster import NODES, Kube, condition, deployments, leaderworkersets, now_iso, pods, terminating
 from .endpointslices import EndpointSliceController
+from .leaderworkerset import LeaderWorkerSets
 from .replicaset import ReplicaSets
 
 log = logging.getLogger("e2e.agent")
@@ -119,6 +121,20 @@ def _cpu_threads(container: dict[str, Any]) -> int:
     return max(1, min(math.ceil(cpus), os.cpu_count() or 1))
 
 
+def _field(pod: dict[str, Any], path: str, ip: str) -> str:
+    """The downward API's env fieldRef: the pod's own fields, as the kubelet resolves them at start."""
+    meta = pod.get("metadata") or {}
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if m:
+        return str((meta.get(m.group(1)) or {}).get(m.group(2), ""))
+    simple = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"),
+              "metadata.uid": meta.get("uid"), "spec.nodeName": (pod.get("spec") or {}).get("nodeName"),
+              "status.podIP": ip, "status.hostIP": "127.0.0.1"}
+    if path not in simple:
+        raise RuntimeError(f"pod {meta.get('name')}: fieldRef {path} is not served by the node agent")
+    return str(simple[path] or "")
+
+
 def _expand(arg: str, env: dict[str, str]) -> str:
     """The kubelet's $(VAR) expansion in args."""
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
@@ -137,8 +153,10 @@ class NodeAgent:
         self.node_env = node_env or {}
         self.node = node or nodes.NodeSpec(NODE_NAME)
         self.replicasets = ReplicaSets(kube, namespace, self._record) if replicasets else None
+        self.leaderworkersets = LeaderWorkerSets(kube, namespace, self._record) if replicasets else None
         self.endpointslices = EndpointSliceController(kube, namespace) if replicasets else None
         self.containers: dict[str, Container] = {}
+        self.retired: list[Container] = []  # containers of pods gone whose names came back
         self.events: list[Event] = []
         self._http: aiohttp.ClientSession | None = None
         self.network: netns.PodNetwork = network or netns.LoopbackNetwork()
@@ -176,6 +194,11 @@ class NodeAgent:
             deps = await self.kube.list(deployments(self.ns))
             for dep in deps:
                 pod_list = await self.replicasets.sync(dep, pod_list)
+        groups: list[dict[str, Any]] = []
+        if self.leaderworkersets is not None:
+            groups = await self.kube.list(leaderworkersets(self.ns))
+            for lws in groups:
+                pod_list = await self.leaderworkersets.sync(lws, pod_list)
         pod_list = await self._schedule(pod_list)
         mine = [p for p in pod_list if (p.get("spec") or {}).get("nodeName") == self.node.name]
         by_name = {p["metadata"]["name"]: p for p in mine}
@@ -188,6 +211,9 @@ class NodeAgent:
         if self.replicasets is not None:
             for dep in deps:
                 await self.replicasets.write_status(dep, pod_list)
+        if self.leaderworkersets is not None:
+            for lws in groups:
+                await self.leaderworkersets.write_status(lws, pod_list)
         if self.endpointslices is not None:  # from the statuses this pass wrote: endpoints follow at once
             await self.endpointslices.sync(await self.kube.list(pods(self.ns)))
 
@@ -221,6 +247,11 @@ class NodeAgent:
     async def _sync_pod(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
         c = self.containers.get(name)
+        if c is not None and c.gone and c.uid != pod["metadata"].get("uid", c.uid) and not terminating(pod):
+            # A new pod under a name that an old one had (a StatefulSet's, an LWS group's): the kubelet knows
+            # pods by uid, so it is a new sandbox and container; the old one stays in the record.
+            self.retired.append(self.containers.pop(name))
+            c = None
         if c is None:
             if terminating(pod):  # never started here: nothing to stop
                 await self._final_delete(name, pod["metadata"].get("uid"))
@@ -267,9 +298,10 @@ class NodeAgent:
             mounts[m["mountPath"]] = str(vol_dir)
         env: dict[str, str] = {}
         for e in ctr.get("env", []):
-            if "value" not in e:
+            ref = (e.get("valueFrom") or {}).get("fieldRef")
+            if "value" not in e and ref is None:
                 raise RuntimeError(f"pod {name}: env {e['name']} needs a Secret; the node agent has none")
-            value = str(e["value"])
+            value = str(e["value"]) if ref is None else _field(pod, ref["fieldPath"], ip)
             for mount in sorted(mounts, key=len, reverse=True):  # a path in a volume -> the volume's folder
                 if value == mount or value.startswith(mount + "/"):
                     value = mounts[mount] + value[len(mount):]

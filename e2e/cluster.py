@@ -32,6 +32,9 @@ CRD_FILE = REPO / "crds" / "inferencedeployment.yaml"
 CRD_FILES = {CRD_NAME: CRD_FILE, LORA_CRD_NAME: REPO / "crds" / "loraadapter.yaml"}  # what `kubectl apply -f crds/` installs
 EXAMPLE_CR = REPO / "examples" / "inferencedeployment.yaml"
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+LWS_GROUP, LWS_VERSION, LWS_PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
+LWS_CRD_NAME = f"{LWS_PLURAL}.{LWS_GROUP}"
+LWS_SCHEMA = REPO / "tests" / "schemas" / "leaderworkerset-v1.json"  # the published API, as the operator's tests read it
 NODES = "/api/v1/nodes"
 NAMESPACES = "/api/v1/namespaces"
 
@@ -63,6 +66,12 @@ RESOURCES: dict[str, dict[str, Any]] = {
                                                verbs=_ALL),
     "apiextensions.k8s.io/v1/customresourcedefinitions": dict(
         kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False, verbs=_ALL),
+    # LeaderWorkerSet (multi-node replicas), with its status and scale subresources as the published API has
+    # them; the agent plays its controller (leaderworkerset.py), the emulator checks what is written
+    # (emulator.py, against tests/schemas/leaderworkerset-v1.json).
+    f"{LWS_GROUP}/{LWS_VERSION}/{LWS_PLURAL}": dict(
+        kind="LeaderWorkerSet", singular="leaderworkerset", namespaced=True, shortnames=["lws"], verbs=_ALL,
+        subresources=["status", "scale"]),
 }
 
 
@@ -78,6 +87,7 @@ events = client.events
 inferencedeployments = client.inferencedeployments
 services = client.services
 serviceaccounts = client.serviceaccounts
+leaderworkersets = client.leaderworkersets
 
 
 def endpointslices(ns: str) -> str:
@@ -115,6 +125,8 @@ class Kube(client.KubeClient):
         """`kubectl apply -f crds/`: the emulator serves the resources anyway; this keeps the objects around."""
         for name in CRD_FILES:
             await self.create(CRDS, crd_manifest(name))
+        if self.emulated:  # the emulator's cluster has LeaderWorkerSet installed (a cluster brings its own)
+            await self.create(CRDS, lws_crd_manifest())
 
     async def apply_cr(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
         body = {**body, "metadata": {**body.get("metadata", {}), "namespace": ns}}
@@ -129,6 +141,30 @@ class Kube(client.KubeClient):
 
 def crd_manifest(name: str = CRD_NAME) -> dict[str, Any]:
     return yaml.safe_load(CRD_FILES[name].read_text())
+
+
+def lws_crd_manifest() -> dict[str, Any]:
+    """The LeaderWorkerSet CRD as the emulator's "installed" add-on: the names, the served version and the
+    status and scale subresources of the published one (leaderworkerset.x-k8s.io/v1); the objects are checked
+    against tests/schemas/leaderworkerset-v1.json by the emulator, so the schema here keeps everything. On a
+    cluster, LWS is installed from its own release (and its controller runs there)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": LWS_CRD_NAME},
+        "spec": {
+            "group": LWS_GROUP, "scope": "Namespaced",
+            "names": {"kind": "LeaderWorkerSet", "listKind": "LeaderWorkerSetList", "plural": LWS_PLURAL,
+                      "singular": "leaderworkerset", "shortNames": ["lws"]},
+            "versions": [{
+                "name": LWS_VERSION, "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                "subresources": {"status": {}, "scale": {
+                    "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                    "labelSelectorPath": ".status.hpaPodSelector"}},
+            }],
+        },
+        "status": {"conditions": [{"type": "Established", "status": "True"}]},
+    }
 
 
 def write_kubeconfig(path: Path, url: str, token: str = "e2e-token", namespace: str = "default",

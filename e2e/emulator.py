@@ -7,6 +7,10 @@ agent relies on:
   removes it;
 - POST serviceaccounts/NAME/token (a TokenRequest, what a kubelet asks for a pod's projected token) answers
   with a token for an existing ServiceAccount, 404 otherwise. The emulator checks no token: any is fine;
+- LeaderWorkerSets (leaderworkerset.x-k8s.io/v1, the add-on's API) are checked on every write against the
+  published API (tests/schemas/leaderworkerset-v1.json; 422 with the errors), and their scale subresource
+  is served as the API server serves a CRD's: GET and PATCH of an autoscaling/v1 Scale, whose spec.replicas
+  is the object's and whose status carries status.replicas and the selector status.hpaPodSelector;
 - EndpointSlice writes are refused (422) with an address a real API server refuses there: not an IP of the
   slice's addressType, unspecified, loopback, link-local (unicast or multicast). `loopback_endpoints=True`
   lets 127.0.0.0/8 through, for the pod network's loopback mode only (netns.py), where pods have no other
@@ -19,8 +23,11 @@ finalizers removes the object at once).
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
+import functools
 import ipaddress
+import json
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,7 +37,7 @@ import aiohttp.web
 import attrs
 import kmock
 
-from .cluster import RESOURCES, Kube
+from .cluster import LWS_PLURAL, LWS_SCHEMA, RESOURCES, Kube
 
 HOLD = "e2e.kvpilot.io/graceful-deletion"
 
@@ -69,6 +76,51 @@ def endpoint_address_errors(obj: Any, loopback_ok: bool = False) -> list[str]:
             if ip.is_multicast and (ip in ipaddress.ip_network("224.0.0.0/24") or str(ip).startswith("ff02:")):
                 errors.append(f"{where}: Invalid value: {raw!r}: may not be in the link-local multicast range")
     return errors
+
+
+@functools.cache
+def _lws_validator() -> Any:
+    import jsonschema
+
+    return jsonschema.Draft7Validator(json.loads(LWS_SCHEMA.read_text()))
+
+
+def lws_errors(obj: Any) -> list[str]:
+    """What the LWS API (its CRD schema and admission webhook, as tests/schemas has them) says of an object;
+    status and the server's metadata are the API server's, not the writer's."""
+    if not isinstance(obj, dict):
+        return ["the body is not an object"]
+    body = {k: v for k, v in obj.items() if k != "status"}
+    return [f"{'.'.join(str(x) for x in e.absolute_path) or '<root>'}: {e.message}"
+            for e in _lws_validator().iter_errors(body)]
+
+
+def _merged(old: Any, patch: Any) -> Any:
+    """A JSON merge patch (RFC 7386), what kmock does with a PATCH body."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(old) if isinstance(old, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = _merged(out.get(k), v)
+    return out
+
+
+def scale_of(obj: dict[str, Any]) -> dict[str, Any]:
+    """The autoscaling/v1 Scale of a LeaderWorkerSet (its CRD's specReplicasPath, statusReplicasPath and
+    labelSelectorPath)."""
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    out: dict[str, Any] = {
+        "apiVersion": "autoscaling/v1", "kind": "Scale",
+        "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
+        "spec": {"replicas": int((obj.get("spec") or {}).get("replicas", 1))},
+        "status": {"replicas": int(status.get("replicas", 0) or 0)},
+    }
+    if status.get("hpaPodSelector"):
+        out["status"]["selector"] = status["hpaPodSelector"]
+    return out
 
 
 def _grace(request: Any, obj: dict[str, Any]) -> int:
@@ -111,6 +163,12 @@ class Emulator(kmock.KubernetesEmulator):
             if errors:
                 raise kmock.KubernetesError(status=422, reason="Invalid", details={},
                                             message=f"EndpointSlice is invalid: {'; '.join(errors)}")
+        if res is not None and res.plural == LWS_PLURAL:
+            if request.subresource == "scale" and request.name:
+                return await self._scale(request)
+            if not request.subresource and request.method in (kmock.method.POST, kmock.method.PUT,
+                                                              kmock.method.PATCH):
+                await self._check_lws(request)
         if (res is not None and res.plural == "serviceaccounts" and request.name
                 and request.method == kmock.method.POST and request.subresource == "token"):
             return await self._token(request)
@@ -143,6 +201,39 @@ class Emulator(kmock.KubernetesEmulator):
             await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
         return aiohttp.web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Success", "code": 201},
                                          status=201)
+
+    async def _check_lws(self, request: Any) -> None:
+        body = request.data
+        if request.method == kmock.method.PATCH and request.name:
+            key = (request.resource, request.namespace, request.name)
+            async with self._lock:
+                known = key in self._objects and not self._objects[key].deleted
+                old = copy.deepcopy(self._objects[key].raw) if known else None
+            if old is not None:  # an apply or merge patch of an existing object: check the result
+                body = _merged(old, body)
+        errors = lws_errors(body)
+        if errors:
+            raise kmock.KubernetesError(status=422, reason="Invalid", details={},
+                                        message=f"LeaderWorkerSet is invalid: {'; '.join(errors)}")
+
+    async def _scale(self, request: Any) -> Any:
+        """The LWS's scale subresource: GET, or PATCH (merge) / PUT of its Scale's spec.replicas."""
+        async with self._lock:
+            obj = self._stored(request)
+            if request.method == kmock.method.GET:
+                return aiohttp.web.json_response(scale_of(obj.raw))
+            if request.method not in (kmock.method.PATCH, kmock.method.PUT):
+                raise kmock.KubernetesError(status=405, reason="MethodNotAllowed", details={},
+                                            message=f"{request.method} of a Scale")
+            scale = request.data if request.method == kmock.method.PUT else _merged(scale_of(obj.raw),
+                                                                                    request.data)
+            replicas = ((scale or {}).get("spec") or {}).get("replicas")
+            if not isinstance(replicas, int) or replicas < 0:
+                raise kmock.KubernetesError(status=422, reason="Invalid", details={},
+                                            message="Scale spec.replicas must be a non-negative integer")
+            obj.patch({"spec": {"replicas": replicas}})
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
+            return aiohttp.web.json_response(scale_of(obj.raw))
 
     async def _token(self, request: Any) -> Any:
         async with self._lock:

@@ -85,10 +85,11 @@ class StreamRecord:
 
 class LoadGenerator:
     def __init__(self, endpoints: Callable[[], Sequence[Endpoint]], clock: Callable[[], float] = time.monotonic,
-                 api_key: str = "e2e") -> None:
+                 api_key: str = "e2e", model: str = MODEL_NAME) -> None:
         self._endpoints = endpoints
         self.clock = clock
         self.api_key = api_key
+        self.model = model  # what requests put in "model": the daemons' --served-model-name
         self.records: list[Record] = []
         self.streams: list[StreamRecord] = []
         self._ids = itertools.count()
@@ -138,7 +139,7 @@ class LoadGenerator:
             rec.attempts.append(att)
             try:
                 resp = await self._client(ep).completions.create(
-                    model=MODEL_NAME, prompt=rec.job.prompt, max_tokens=rec.job.max_tokens, temperature=0.0)
+                    model=self.model, prompt=rec.job.prompt, max_tokens=rec.job.max_tokens, temperature=0.0)
             except openai.RateLimitError as e:
                 att.end, att.outcome = self.clock(), "429"
                 att.retry_after = e.response.headers.get("retry-after")
@@ -191,7 +192,7 @@ class LoadGenerator:
                            progress: Callable[[StreamRecord], None] | None) -> None:
         try:
             chunks = await self._client(ep).completions.create(
-                model=MODEL_NAME, prompt=rec.job.prompt, max_tokens=rec.job.max_tokens, temperature=0.0, stream=True)
+                model=self.model, prompt=rec.job.prompt, max_tokens=rec.job.max_tokens, temperature=0.0, stream=True)
             async for chunk in chunks:
                 choice = chunk.choices[0] if chunk.choices else None
                 if choice is not None and choice.text:

@@ -329,6 +329,11 @@ class NamespaceNetwork:
                 f"route add {self.gateway}/32 dev eth0 scope link",
                 f"route add {POD_RANGE} via {self.gateway} dev eth0",  # the pods, through the node; no default
             ]) + "\n")
+            # The kubelet-managed /etc/hosts: the pod's host name is its own address. A process that finds its
+            # address by its host name (gloo, for the ranks of a multi-node group) gets the pod IP, not 127.0.0.1.
+            folder = ETC_NETNS / netns
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {socket.gethostname()}\n")
         except Exception:
             self.detach(att)
             raise
@@ -357,7 +362,9 @@ class NamespaceNetwork:
         if host != addr:
             folder = ETC_NETNS / att.netns
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {host}\n")
+            hosts = folder / "hosts"
+            kept = hosts.read_text() if hosts.exists() else "127.0.0.1 localhost\n"
+            hosts.write_text(f"{kept}{addr} {host}\n")
         sock = socket_in(att.netns, addr, port)
 
         async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
