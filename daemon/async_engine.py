@@ -32,6 +32,7 @@ log = logging.getLogger("kvpilot.daemon.engine_loop")
 # in: what the first steps are handed, so they run at full speed. Waiting for the whole cache made the
 # start grow with its size (8 s per fresh GiB on some VMs).
 _READY_MAPPED_BUDGETS = 2
+_HEALTH_POLL_S = 1.0  # an idle loop asks the engine this often whether it can still step (a lost rank)
 
 
 class EngineState(enum.Enum):
@@ -437,10 +438,13 @@ class AsyncEngine:
                 stop()
 
     def _engine_loop(self, engine: Engine) -> None:
+        check_health = getattr(engine, "check_health", None)
         while True:
             with self._cond:
                 while not self._cmds and not self._stop and not engine.has_unfinished_requests():
-                    self._cond.wait()
+                    self._cond.wait(_HEALTH_POLL_S)
+                    if check_health is not None:  # an idle engine still notices a rank that is gone
+                        check_health()
                 if self._stop:
                     return
                 cmds, self._cmds = self._cmds, []

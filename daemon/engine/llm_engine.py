@@ -606,6 +606,12 @@ class LLMEngine:
         time, off its steps' cores. Offline runs keep it beside their steps, where it finishes sooner."""
         self.runner.pause_kv_cache_mapping_while(busy)
 
+    def check_health(self) -> None:
+        """Raise when the engine cannot take another step (a rank of several is gone); nothing with one."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
     def shutdown(self) -> None:
         """Stop the other ranks' processes (nothing to do with one rank); the engine takes no steps after."""
         stop = getattr(self.runner, "shutdown", None)

@@ -231,6 +231,18 @@ class MultiprocExecutor:
         self._call(("kv_mapping_when_idle",))
         self.runner.pause_kv_cache_mapping_while(busy)
 
+    def check_health(self) -> None:
+        """``RankFailed`` once a rank is known gone (a worker process ended, another node's heartbeat
+        failed, or a call failed), also while the engine idles."""
+        if self._failed is None:
+            dead = self._workers.dead()
+            if dead:
+                self._failed = "; ".join(self._workers.reported(wait_s=0.5) or dead)
+            elif self._nodes is not None and self._nodes.failed is not None:
+                self._failed = f"a node's ranks are gone: {type(self._nodes.failed).__name__}: {self._nodes.failed}"
+        if self._failed is not None:
+            raise RankFailed(self._failed)
+
     # -- messages
 
     def _check_workers(self) -> None:

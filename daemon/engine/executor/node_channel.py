@@ -1,6 +1,7 @@
 """The driver's messages to the ranks of other nodes, over torch.distributed (a gloo group of rank 0 and
 those ranks). A broadcast that waits longer than the group's timeout fails, so while the engine idles the
-driver sends a no-op every third of it: a remote rank then only times out when the driver is gone."""
+driver sends a no-op every third of it (at most every few seconds): a remote rank then only times out when
+the driver is gone, and the driver learns that a node is gone from the failed no-op."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from typing import Any
 
 __all__ = ["NodeChannelReceiver", "NodeChannelSender"]
 
+_MAX_HEARTBEAT_S = 5.0
+
 
 class NodeChannelSender:
     def __init__(self, group: Any, timeout_s: float) -> None:
         self.group = group
         self._lock = threading.Lock()
         self._last = time.monotonic()
-        self._interval = timeout_s / 3
+        # often enough that an idle engine notices a lost node within seconds (check_health)
+        self._interval = min(timeout_s / 3, _MAX_HEARTBEAT_S)
         self._stop = threading.Event()
         self.failed: BaseException | None = None  # a heartbeat that failed: the next publish raises it
         self._thread = threading.Thread(target=self._heartbeat, name="kvpilot-node-heartbeat", daemon=True)
