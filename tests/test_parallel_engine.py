@@ -107,6 +107,30 @@ def test_swap_preemption_and_ngram_speculation_across_ranks(llama8: Path) -> Non
     _assert_same(_run(llama8, **kw), _run(llama8, tensor_parallel_size=2, **kw))
 
 
+def _moe_model(arch: str, folder: Path) -> Path:
+    """Tiny Qwen3-MoE (experts on alternate layers, per-head q/k norms) or gpt-oss (sinks, expert biases)."""
+    import transformers as tf
+
+    tiny = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 512, "max_position_embeddings": 256, "num_experts_per_tok": 2, "initializer_range": 0.08}
+    if arch == "qwen3_moe":
+        cfg, cls = tf.Qwen3MoeConfig(**tiny, num_hidden_layers=2, intermediate_size=48, moe_intermediate_size=32,
+                                     num_experts=8, decoder_sparse_step=2), tf.Qwen3MoeForCausalLM
+    else:
+        cfg, cls = tf.GptOssConfig(**tiny, num_hidden_layers=2, intermediate_size=32, num_local_experts=8,
+                                   sliding_window=8, layer_types=["sliding_attention", "full_attention"]), \
+            tf.GptOssForCausalLM
+    save_tiny(cfg, cls, folder, lambda n: n.endswith(("bias", "sinks", "gate.weight", "router.weight")) or "norm" in n)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_mixture_of_experts_at_tensor_two(tmp_path: Path, arch: str) -> None:
+    """Experts split along their intermediate size, sinks and q/k norms per rank: one process's outputs."""
+    folder = _moe_model(arch, tmp_path)
+    _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
+
+
 def test_smollm2_at_tensor_three() -> None:
     """SmolLM2: 9 query heads and 3 KV heads over 3 ranks, on its own GGUF weights (the same greedy text)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
