@@ -124,6 +124,19 @@ def _moe_model(arch: str, folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_olmo2_projection_norms_across_ranks(tmp_path: Path, tp: int) -> None:
+    """OLMo 2 norms q and k over the whole projection: the ranks sum their squares (at tensor 4 each of its 2
+    KV heads sits on two ranks and counts once)."""
+    import transformers as tf
+
+    cfg = tf.Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                         max_position_embeddings=256, num_hidden_layers=2, attention_bias=True,
+                         initializer_range=0.08)
+    save_tiny(cfg, tf.Olmo2ForCausalLM, tmp_path, lambda n: "norm" in n or n.endswith("bias"))
+    _assert_same(_run(tmp_path), _run(tmp_path, tensor_parallel_size=tp))
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_mixture_of_experts_at_tensor_two(tmp_path: Path, arch: str) -> None:
     """Experts split along their intermediate size, sinks and q/k norms per rank: one process's outputs."""

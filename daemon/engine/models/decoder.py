@@ -110,14 +110,15 @@ class DecoderLayer(nn.Module):
         # gpt-oss's sink logits, float32 as ops.paged_attention takes them: this rank's heads
         self.sinks = _param(self.local_heads, dtype=torch.float32, device=device) if spec.attn_sinks else None
 
-        if spec.qk_norm == "projection" and parallel.tp_size > 1:
-            # the norm spans every head: a split would need the sum of squares over the ranks
-            raise ValueError(f"{spec.arch}: q/k norms over the whole projection are not supported with tensor parallelism")
         # Gemma/OLMo 2 norm weights are kept in float32: they scale before the cast to the model dtype
         norm_dtype = dtype if spec.norm_weight == "model_dtype" else torch.float32
         sizes = {"q_norm": self.head_dim, "k_norm": self.head_dim}
+        self.parallel = parallel
+        # OLMo 2 norms q and k over the whole projection: each rank holds its heads' part of the weights and
+        # sums its squares with the other ranks' (a KV head held by several ranks counts once)
+        self.kv_replicas = max(1, parallel.tp_size // self.num_kv_heads)
         if spec.qk_norm == "projection":
-            sizes = {"q_norm": self.q_size, "k_norm": self.num_kv_heads * self.head_dim}
+            sizes = {"q_norm": self.local_heads * self.head_dim, "k_norm": self.local_kv_heads * self.head_dim}
         # the norms the spec's placement uses are parameters, the others None (forward skips those)
         self.input_norm = self.post_attn_norm = self.pre_mlp_norm = self.post_mlp_norm = None
         self.q_norm = self.k_norm = None
@@ -211,9 +212,29 @@ class DecoderLayer(nn.Module):
         if self.spec.qk_norm == "per_head":  # each head's hd dims normed as one row
             q = _rms_norm(q.reshape(t * nh, hd), self.q_norm, self.eps).view(t, nh * hd)
             k = _rms_norm(k.reshape(t * nkv, hd), self.k_norm, self.eps).view(t, nkv * hd)
+        elif self.parallel.tp_size > 1:
+            q = self._split_rms_norm(q, self.q_norm, self.num_heads * hd, 1)
+            k = self._split_rms_norm(k, self.k_norm, self.num_kv_heads * hd, self.kv_replicas)
         else:
             q, k = _rms_norm(q, self.q_norm, self.eps), _rms_norm(k, self.k_norm, self.eps)
         return torch.cat((q, k), dim=1)  # a fresh tensor: RoPE rotates it in place
+
+    def _split_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, width: int, replicas: int) -> torch.Tensor:
+        """RMSNorm over a projection of ``width`` columns of which this rank holds ``x``'s: the sum of squares
+        over the ranks (each column held by ``replicas`` ranks), in float32 as HF computes it."""
+        xf = x.float()
+        squares = self.parallel.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        if replicas > 1:
+            squares = squares / replicas
+        normed = xf * torch.rsqrt(squares / width + self.eps)
+        if weight.dtype == torch.float32:  # scaled in float32, then cast (as _rms_norm does for these norms)
+            return (normed * weight).to(x.dtype)
+        return normed.to(x.dtype) * weight
+
+    def projection_norm_slice(self, w: torch.Tensor, role: str) -> torch.Tensor:
+        """This rank's part of a whole-projection q or k norm weight (its heads' columns)."""
+        part = self.qkv_proj.partitions[0 if role == "q_norm" else 1]
+        return w.narrow(0, part[1], part[2])
 
     def _mlp(self, h: torch.Tensor, lora: ops.LoRASegments | None = None) -> torch.Tensor:
         """``h`` plus the MLP of ``h``, with the norms the spec places around it."""
@@ -595,6 +616,8 @@ class DecoderForCausalLM(nn.Module):
             w = self._norm_weight(w)
             if self.interleaved_rope and role in ("q_norm", "k_norm"):  # the q/k rows are interleaved per head
                 w = interleave_rope_rows(w, self.head_dim)
+            if self.spec.qk_norm == "projection" and role in ("q_norm", "k_norm"):
+                w = layer.projection_norm_slice(w, role)
             return _copy(getattr(layer, role).data, w)
         target = {hf: (attr, part) for hf, attr, part in self.spec.weights.projections}.get(sub)
         if target is None:
