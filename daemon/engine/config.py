@@ -129,8 +129,8 @@ class EngineConfig:
         "help": "on the CPU, map the KV cache's pages in on a background thread, paused while steps run; "
                 "off: they fault in on first use"})
     num_threads: int | None = field(default=None, metadata={
-        "help": "intra-op CPU threads (default: OMP_NUM_THREADS, else the CPUs this process may use, "
-                "capped by a cgroup CPU limit)"})
+        "help": "intra-op CPU threads of each rank (default: OMP_NUM_THREADS, else the CPUs this process may "
+                "use, capped by a cgroup CPU limit, shared among the node's ranks)"})
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
