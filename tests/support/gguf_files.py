@@ -1,5 +1,6 @@
-"""Tiny GGUF files as llama.cpp's converter writes them: tensor names, Gemma's 1 + w norms, tokenizer
-metadata (a small byte-level BPE or sentencepiece vocabulary), and optionally quantized tensors."""
+"""Tiny GGUF files as llama.cpp's converter writes them: tensor names, Gemma's 1 + w norms, llama's permuted
+q/k rows, mixture-of-experts metadata and stacked experts, tokenizer metadata (a small byte-level BPE or
+sentencepiece vocabulary), and optionally quantized tensors."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def spm_tokens(kind: str) -> list[str]:
 
 
 def write_tokenizer(w: Any, arch: str) -> None:
-    """Tokenizer metadata as llama.cpp writes it: BPE for Qwen, sentencepiece ("llama") for Gemma and Phi-3."""
-    if arch == "qwen3":
+    """Tokenizer metadata as llama.cpp writes it: BPE for Qwen, sentencepiece ("llama") for Gemma, Phi-3 and
+    llama (Phi-3's vocabulary)."""
+    if arch.startswith("qwen"):
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("qwen2")
         w.add_token_list(BPE_TOKENS)
@@ -91,6 +93,14 @@ def write_gguf(path: Path, arch: str, hf: Any, quantize: Quantizer | None = None
     if arch == "gemma2":
         w.add_attn_logit_softcapping(float(cfg.attn_logit_softcapping))
         w.add_final_logit_softcapping(float(cfg.final_logit_softcapping))
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:  # as convert_hf_to_gguf.py's Mixtral (llama) and Qwen-MoE models write them
+        w.add_expert_count(int(experts))
+        w.add_expert_used_count(int(cfg.num_experts_per_tok))
+        if arch.startswith("qwen"):
+            w.add_expert_feed_forward_length(int(cfg.moe_intermediate_size))
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(int(cfg.shared_expert_intermediate_size))
     if arch == "phi3":
         w.add_rope_dimension_count(head_dim)
         w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
@@ -102,20 +112,46 @@ def write_gguf(path: Path, arch: str, hf: Any, quantize: Quantizer | None = None
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for tied embeddings
-        base, suffix = name.rsplit(".", 1)
-        gguf_name = name_map.get_name(base)
-        assert gguf_name is not None, name
         data = t.detach().to(torch.float32).numpy().copy()
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
-            data = data + 1  # llama.cpp stores Gemma's (1 + w) RMSNorm weights as 1 + w
-        blocks = quantize(name, data) if quantize is not None else None
-        if blocks is None:
-            w.add_tensor(f"{gguf_name}.{suffix}", data)
-        else:
-            w.add_tensor(f"{gguf_name}.{suffix}", blocks[0], raw_dtype=gguf.GGMLQuantizationType(blocks[1]))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's rotary row order
+            data = _permute(data, heads if "q_proj" in name else int(cfg.num_key_value_heads))
+        for gguf_name, part in _moe_tensors(name, data) or [(None, data)]:
+            if gguf_name is None:
+                base, suffix = name.rsplit(".", 1)
+                gguf_name = name_map.get_name(base)
+                assert gguf_name is not None, name
+                gguf_name = f"{gguf_name}.{suffix}"
+            if arch.startswith("gemma") and name.endswith("norm.weight"):
+                part = part + 1  # llama.cpp stores Gemma's (1 + w) RMSNorm weights as 1 + w
+            blocks = quantize(name, part) if quantize is not None else None
+            if blocks is None:
+                w.add_tensor(gguf_name, part)
+            else:
+                w.add_tensor(gguf_name, blocks[0], raw_dtype=gguf.GGMLQuantizationType(blocks[1]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's two rotary halves interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _moe_tensors(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """A transformers 5 MoE tensor as llama.cpp stores it (its stacked ``*_exps``: numpy [E, I, H] for gate and
+    up, [E, H, I] for down; the shared expert's gate as [H]); None for the others."""
+    parts = name.split(".")
+    if parts[:2] != ["model", "layers"] or parts[3] != "mlp":
+        return None
+    blk, rest = f"blk.{parts[2]}", ".".join(parts[4:])
+    if rest == "experts.gate_up_proj":
+        gate, up = np.split(data, 2, axis=1)
+        return [(f"{blk}.ffn_gate_exps.weight", gate.copy()), (f"{blk}.ffn_up_exps.weight", up.copy())]
+    simple = {"experts.down_proj": "ffn_down_exps", "gate.weight": "ffn_gate_inp",
+              "shared_expert.gate_proj.weight": "ffn_gate_shexp", "shared_expert.up_proj.weight": "ffn_up_shexp",
+              "shared_expert.down_proj.weight": "ffn_down_shexp", "shared_expert_gate.weight": "ffn_gate_inp_shexp"}
+    if rest not in simple:
+        return None
+    return [(f"{blk}.{simple[rest]}.weight", data.reshape(-1) if rest == "shared_expert_gate.weight" else data)]

@@ -30,13 +30,18 @@ _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file a converted folder came from, where it still exists; None for other folders."""
+    """The GGUF file a converted folder came from, where it still exists and the engine can serve its blocks;
+    None for other folders, and for mixture-of-experts GGUFs (served dequantized from the folder: the
+    engine's MoE layers take float weights only)."""
     record = folder / SOURCE_FILE
     if not record.is_file():
         return None
     try:
-        source = Path(json.loads(record.read_text())["source"])
+        fields = json.loads(record.read_text())
+        source = Path(fields["source"])
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if fields.get("blocks", True) is False:
         return None
     path = source if source.is_absolute() else folder / source
     if not path.is_file():
@@ -58,6 +63,9 @@ def iter_gguf_weights(gguf_path: Path, hf_config: Any, *, quantized_embeddings: 
 
     reader = gguf.GGUFReader(str(gguf_path))
     _, spec = gguf_arch(reader, str(gguf_path))
+    if spec.moe:
+        raise ValueError(f"{gguf_path}: mixture-of-experts GGUFs run dequantized (--quantization none), "
+                         "not on their GGUF blocks")
     n_head = int(hf_config.num_attention_heads)
     n_kv = int(getattr(hf_config, "num_key_value_heads", None) or n_head)
     for t in reader.tensors:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvpilot.paths import cache_dir
 
+from .gguf_moe import MOE_LAYER_NAMES, QWEN2MOE_LAYER_NAMES, join_experts, mixtral_config, qwen_moe_config
+
 if TYPE_CHECKING:
     import torch
 
@@ -88,6 +90,12 @@ class _GgufArch:
     # tokens generation_config stops on besides the GGUF's eos (where the vocabulary has them): chat models'
     # end-of-turn markers, as their HF generation_config.json lists them
     stop_tokens: tuple[str, ...] = ()
+    # the config transformers' GGUF loader reads, replaced (a llama GGUF with experts is Mixtral): (config,
+    # reader, arch) -> the config
+    make_config: Callable[[Any, Any, str], Any] | None = None
+    # mixture-of-experts: stacked experts joined (gguf_moe.join_experts), and served from the converted float
+    # folder, never on the GGUF's blocks (the engine's MoE layers take float weights only)
+    moe: bool = False
 
 
 # Gemma 3's chat template, as in google/gemma-3-*-it's tokenizer_config.json (the 270M GGUF carries none)
@@ -181,9 +189,9 @@ _GEMMA_LAYER_NAMES = {
 }
 _QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 
-# GGUF architectures we can convert: the dense ones transformers' GGUF loader maps (its config) and the engine
-# has a native model for. Not here: olmo2 (transformers maps no GGUF config for it), and MoE GGUFs
-# (qwen2moe, qwen3moe, gpt-oss: stacked expert tensors, no native model to load them yet).
+# GGUF architectures we can convert: the ones transformers' GGUF loader maps (its config) and the engine has a
+# native model for, and Mixtral (a llama GGUF with experts; its config rebuilt in gguf_moe). Not here: olmo2
+# (transformers maps no GGUF config for it), gpt-oss (llama.cpp's MXFP4 experts and interleaved layout).
 _GGUF_ARCHS: dict[str, _GgufArch] = {
     "llama": _GgufArch(unpermute=True),
     "mistral": _GgufArch(unpermute=True),
@@ -198,6 +206,11 @@ _GGUF_ARCHS: dict[str, _GgufArch] = {
         fix_config=_phi3_config,
         stop_tokens=("<|endoftext|>", "<|assistant|>", "<|end|>"),  # HF's Phi-3 generation_config.json
     ),
+    # MoE: gguf_moe maps the routers, experts and Qwen2-MoE's shared expert
+    "mixtral": _GgufArch(unpermute=True, layer_names=MOE_LAYER_NAMES, make_config=mixtral_config, moe=True),
+    "qwen2moe": _GgufArch(unpermute=False, layer_names=QWEN2MOE_LAYER_NAMES, fix_config=qwen_moe_config, moe=True),
+    "qwen3moe": _GgufArch(unpermute=False, layer_names={**MOE_LAYER_NAMES, **_QK_NORM_NAMES},
+                          config_keys={"attention.key_length": "head_dim"}, fix_config=qwen_moe_config, moe=True),
     "gemma2": _GgufArch(
         unpermute=False,
         norm_shift=-1.0,
@@ -456,6 +469,8 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
     hf_config = AutoConfig.from_pretrained(src_dir, gguf_file=src_name)
     if getattr(hf_config, "quantization_config", None) is not None:
         del hf_config.quantization_config
+    if spec.make_config is not None:
+        hf_config = spec.make_config(hf_config, reader, arch_key)
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     hf_config.dtype = "float32"
     eps = getattr(hf_config, "rms_norm_eps", None)
@@ -490,26 +505,33 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
             continue  # e.g. rope_freqs: recomputed from the config
         w = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy()).to(torch.float32)
         tensors[hf_name] = gguf_rows_as_hf(w, hf_name, t.name, spec, n_head, n_kv).contiguous()
+    if spec.moe:
+        join_experts(tensors)
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError(f"model {uri!r}: GGUF file has no token_embd.weight")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_source(out, str(gguf_path), uri)
+    _write_source(out, str(gguf_path), uri, blocks=not spec.moe)
 
 
 GGUF_IN_FOLDER = "model.gguf"  # a GGUF the conversion joined from parts, kept in the converted folder
 SOURCE_FILE = "kvpilot_source.json"  # in a converted folder: the GGUF it came from ("source")
 
 
-def _write_source(folder: Path, source: str, uri: str) -> None:
-    (folder / SOURCE_FILE).write_text(
-        json.dumps({"source": source, "uri": uri, "converter_version": _CONVERTER_VERSION}, indent=2))
+def _write_source(folder: Path, source: str, uri: str, *, blocks: bool = True) -> None:
+    """``blocks``: the engine may serve the GGUF's own blocks (False: MoE, served from the float folder)."""
+    record = {"source": source, "uri": uri, "converter_version": _CONVERTER_VERSION}
+    if not blocks:
+        record["blocks"] = False
+    (folder / SOURCE_FILE).write_text(json.dumps(record, indent=2))
 
 
 def gguf_arch(reader: Any, uri: str) -> tuple[str, _GgufArch]:
     """The GGUF's architecture key and how its tensors map back to HF; ``ValueError`` when unsupported."""
     arch = arch_key = _gguf_field(reader, "general.architecture")
     gguf_name = str(_gguf_field(reader, "general.name") or "")
-    if arch == "llama" and "mistral" in gguf_name.lower():
+    if arch == "llama" and _gguf_field(reader, "llama.expert_count"):
+        arch = "mixtral"  # llama.cpp writes Mixtral as llama with experts
+    elif arch == "llama" and "mistral" in gguf_name.lower():
         arch = "mistral"
     if arch not in _GGUF_ARCHS:
         raise ValueError(f"model {uri!r}: GGUF architecture {arch!r} is not supported (supported: {sorted(_GGUF_ARCHS)})")
