@@ -322,6 +322,25 @@ async def run(cfg: Config) -> Report:
     return rep
 
 
+async def run_on_target(cfg: Any, rep: Any, capacity: dict[str, str],
+                        body: Callable[[Any, Any, Kube, Target], Awaitable[None]]) -> Any:
+    """A scenario's ``body(cfg, rep, kube, target)`` on its target (the emulator, or a cluster), with the
+    teardown every scenario needs whatever happens: the processes it started killed, its wall time and its
+    report written. Returns ``rep``."""
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    try:
+        async with open_target(cfg.workdir, cfg.namespace, capacity) as target:
+            cfg.namespace = target.namespace
+            await body(cfg, rep, target.kube, target)
+    finally:
+        rep.leftover_pids = procs.kill_all()
+        rep.wall_s = time.monotonic() - start
+        with contextlib.suppress(Exception):
+            rep.dump(cfg.workdir / "report.json")
+    return rep
+
+
 async def run_phase(rep: Phases, name: str, body: Callable[[], Awaitable[None]]) -> bool:
     """Run one phase into the report: its error, or its name in `done`. Nothing runs after a failed one."""
     if rep.errors:  # an earlier phase failed: this one cannot run

@@ -24,7 +24,6 @@ file:// adapter is a folder they can all read, on the emulator and on a cluster 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import json
 import sys
@@ -50,6 +49,7 @@ from .lifecycle import (
     finish_load,
     node_model_cache,
     requests_json,
+    run_on_target,
     run_phase,
     start_operator,
     timeline_json,
@@ -58,7 +58,6 @@ from .lifecycle import (
 from .load import LoadGenerator, Record
 from .monitor import Monitor
 from .node import GPU, NodeSpec, quantity
-from .target import open_target
 
 HERE = Path(__file__).resolve().parent
 ADAPTER = "sql"  # the adapter's name: what clients put in "model"
@@ -329,19 +328,7 @@ class _Scenario:
 
 async def run(cfg: Config) -> Report:
     """The scenario on the emulator or a cluster; teardown always happens."""
-    cfg.workdir.mkdir(parents=True, exist_ok=True)
-    rep = Report(config=cfg)
-    start = time.monotonic()
-    try:
-        async with open_target(cfg.workdir, cfg.namespace, node_capacity(cfg)) as target:
-            cfg.namespace = target.namespace
-            await _run_on(cfg, rep, target.kube, target)
-    finally:
-        rep.leftover_pids = procs.kill_all()
-        rep.wall_s = time.monotonic() - start
-        with contextlib.suppress(Exception):
-            rep.dump(cfg.workdir / "report.json")
-    return rep
+    return await run_on_target(cfg, Report(config=cfg), node_capacity(cfg), _run_on)
 
 
 async def _run_on(cfg: Config, rep: Report, kube: Kube, target: Any) -> None:

@@ -60,6 +60,7 @@ from .lifecycle import (
     e2e_cr,
     node_model_cache,
     requests_json,
+    run_on_target,
     run_phase,
     start_operator,
     timeline_json,
@@ -68,7 +69,7 @@ from .lifecycle import (
 from .load import Endpoint, LoadGenerator, Record, StreamRecord
 from .monitor import Monitor
 from .node import GPU, NodeSpec, quantity
-from .target import ENV, open_target
+from .target import ENV
 
 HERE = Path(__file__).resolve().parent
 
@@ -387,19 +388,7 @@ async def run(cfg: Config) -> Report:
     why = cluster_limit()
     if why is not None:
         raise RuntimeError(why)
-    cfg.workdir.mkdir(parents=True, exist_ok=True)
-    rep = Report(config=cfg)
-    start = time.monotonic()
-    try:
-        async with open_target(cfg.workdir, cfg.namespace, node_capacity(cfg)) as target:
-            cfg.namespace = target.namespace
-            await _run_on(cfg, rep, target.kube, target)
-    finally:
-        rep.leftover_pids = procs.kill_all()
-        rep.wall_s = time.monotonic() - start
-        with contextlib.suppress(Exception):
-            rep.dump(cfg.workdir / "report.json")
-    return rep
+    return await run_on_target(cfg, Report(config=cfg), node_capacity(cfg), _run_on)
 
 
 async def _run_on(cfg: Config, rep: Report, kube: Kube, target: Any) -> None:

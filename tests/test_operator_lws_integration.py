@@ -10,7 +10,6 @@ import pathlib
 import jsonschema
 import pytest
 
-from kvpilot.operator import kube
 from operator_support import harness
 from operator_support.harness import LEADER_LABELS, LWS_KEY, LWS_PATH, MetricsServer, cluster, eventually
 from operator_support.harness import operator as run_operator
@@ -115,21 +114,7 @@ async def test_the_autoscaler_scales_groups_through_the_scale_subresource(monkey
 
 
 def without_lws_api(monkeypatch) -> list[str]:
-    """The API server of a cluster without the LeaderWorkerSet CRD: 404 for the whole resource (kmock would
-    answer any path). Returns the refused calls."""
-    refused: list[str] = []
-    original = kube.KubeClient.request
-
-    async def request(self, method, path, **kwargs):
-        if "/leaderworkersets" in path:
-            refused.append(f"{method} {path}")
-            raise kube.KubeApiError(404, "NotFound", "the server could not find the requested resource",
-                                    method, path)
-        return await original(self, method, path, **kwargs)
-
-    monkeypatch.setattr(kube.KubeClient, "request", request)
-    monkeypatch.delitem(harness.RESOURCES, LWS_KEY)
-    return refused
+    return harness.without_resource(monkeypatch, LWS_KEY)
 
 
 async def test_without_the_lws_crd_a_condition_and_the_deployment_keeps_serving(monkeypatch, tmp_path):

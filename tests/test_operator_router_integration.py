@@ -10,7 +10,6 @@ import aiohttp.web
 import jsonschema
 import pytest
 
-from kvpilot.operator import kube
 from operator_support import harness
 from operator_support.harness import MetricsServer, cluster, eventually, operator
 
@@ -166,21 +165,7 @@ async def test_inference_pool_is_emitted(monkeypatch, tmp_path):
 
 
 def without_pool_api(monkeypatch) -> list[str]:
-    """The API server of a cluster without the InferencePool CRD: 404 for the whole resource. (kmock answers
-    any path, so the operator's client gets the server's answer here.) Returns the refused calls."""
-    refused: list[str] = []
-    original = kube.KubeClient.request
-
-    async def request(self, method, path, **kwargs):
-        if "/inferencepools" in path:
-            refused.append(f"{method} {path}")
-            raise kube.KubeApiError(404, "NotFound", "the server could not find the requested resource",
-                                    method, path)
-        return await original(self, method, path, **kwargs)
-
-    monkeypatch.setattr(kube.KubeClient, "request", request)
-    monkeypatch.delitem(harness.RESOURCES, POOL_KEY)
-    return refused
+    return harness.without_resource(monkeypatch, POOL_KEY)
 
 
 async def test_without_the_inference_pool_crd_a_condition_and_serving_goes_on(monkeypatch, tmp_path):

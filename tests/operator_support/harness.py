@@ -18,7 +18,7 @@ import kmock
 import yaml
 from kopf.testing import KopfRunner
 
-from kvpilot.operator import crd, lora_crd
+from kvpilot.operator import crd, kube, lora_crd
 
 from .background import on_own_loop
 from .calls import ApiCall
@@ -70,6 +70,25 @@ RESOURCES = {
                                             namespaced=False, verbs=ALL_VERBS),
     "kopf.dev/v1/kopfpeerings": dict(kind="KopfPeering", singular="kopfpeering", namespaced=True, verbs=ALL_VERBS),
 }
+
+
+def without_resource(monkeypatch: Any, key: str) -> list[str]:
+    """The API server of a cluster without the CRD of ``key`` (a RESOURCES key, e.g. LeaderWorkerSet's or
+    InferencePool's): 404 for the whole resource (kmock would answer any path). Returns the refused calls."""
+    plural = "/" + key.rsplit("/", 1)[-1]
+    refused: list[str] = []
+    original = kube.KubeClient.request
+
+    async def request(self: Any, method: str, path: str, **kwargs: Any) -> Any:
+        if plural in path:
+            refused.append(f"{method} {path}")
+            raise kube.KubeApiError(404, "NotFound", "the server could not find the requested resource",
+                                    method, path)
+        return await original(self, method, path, **kwargs)
+
+    monkeypatch.setattr(kube.KubeClient, "request", request)
+    monkeypatch.delitem(RESOURCES, key)
+    return refused
 
 
 def free_port(host: str = "127.0.0.1") -> int:
