@@ -232,6 +232,20 @@ def test_a_rank_that_hangs_fails_the_engine(llama8: Path) -> None:
     assert not _worker_pids()
 
 
+def test_a_rank_that_dies_before_the_ranks_meet_fails_the_start(llama8: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spawned rank exits at interpreter start (a sitecustomize on its PYTHONPATH): the engine's start
+    fails at once, naming it, instead of waiting out the rendezvous."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\nif '--multiprocessing-fork' in sys.argv:\n    os._exit(3)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match="exited with code 3"):
+        LLMEngine(EngineConfig(model=str(llama8), tensor_parallel_size=2, distributed_timeout=20.0,
+                               **_engine_kwargs()))
+    assert time.monotonic() - started < 15
+
+
 # ------------------------------------------------------------------ pure parts
 
 

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import queue
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = ["MultiprocExecutor", "NodeRanks", "RankFailed"]
 logger = logging.getLogger(__name__)
 
 _JOIN_S = 5.0  # how long a stopping rank may take before it is killed
+_JOIN_POLL_S = 0.2
 
 
 class RankFailed(RuntimeError):
@@ -152,7 +154,7 @@ class MultiprocExecutor:
         self._closed = False
         try:
             driver_config = dataclasses.replace(self.config, device=rank_device(self.config, 0))
-            self.parallel, control = join_ranks(driver_config, layout, 0, init_method)
+            self.parallel, control = self._join(driver_config, init_method)
             if control is not None:
                 from .node_channel import NodeChannelSender
 
@@ -171,6 +173,28 @@ class MultiprocExecutor:
         atexit.register(self.shutdown)
         logger.info("%d ranks ready (tensor %d x pipeline %d, %d node(s))", layout.world_size,
                     config.tensor_parallel_size, config.pipeline_parallel_size, layout.nnodes)
+
+    def _join(self, config: EngineConfig, init_method: str) -> tuple[Any, Any]:
+        """``join_ranks`` for rank 0, watching this node's workers meanwhile: one that dies before it joins
+        fails the start at once, where the rendezvous alone would wait out ``distributed_timeout``."""
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                box["joined"] = join_ranks(config, self.layout, 0, init_method)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                box["error"] = exc
+
+        thread = threading.Thread(target=join, name="kvpilot-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(_JOIN_POLL_S)
+            dead = self._workers.dead()
+            if dead and thread.is_alive():
+                raise RankFailed("; ".join(self._workers.reported(wait_s=0.5) or dead) + " before the ranks met")
+        if "error" in box:
+            raise box["error"]
+        return box["joined"]
 
     # -- the runner's interface, as the engine uses it
 
