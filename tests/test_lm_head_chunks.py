@@ -25,7 +25,7 @@ def test_chunked_head_matches_the_dense_product(tmp_path: Path, tied: bool) -> N
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=tied)
-    hf = save_tiny(cfg, LlamaForCausalLM, tmp_path, lambda n: False)
+    hf = save_tiny(cfg, LlamaForCausalLM, tmp_path, lambda _name: False)
     head = hf.lm_head.weight.detach().to(torch.bfloat16).float()
     model = load_model(EngineConfig(model=str(tmp_path), dtype="bfloat16", device="cpu")).model
     assert len(model.lm_head_chunks) == 2 and model.lm_head is None
