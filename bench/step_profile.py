@@ -90,7 +90,7 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
     """Install the timers; returns the function that removes them."""
     runner = llm.engine.runner
     model = runner.model
-    kinds: dict[int, str] = {id(model.lm_head): "lm_head"}
+    kinds: dict[int, str] = {id(t): "lm_head" for t in (model.lm_head, *model.lm_head_chunks) if t is not None}
     for layer in model.layers:
         kinds[id(layer.qkv_proj.weight)] = "gemm_qkv"
         kinds[id(layer.o_proj.weight)] = "gemm_o"
@@ -278,16 +278,16 @@ def machine(threads: int) -> dict[str, Any]:
             "cpu_attention": "native C" if cpu_native.available() else "torch reference"}
 
 
-def main_run(workload: str, out: str, dtype: str = "float32") -> None:
+def main_run(workload: str, out: str, dtype: str = "float32", model: str = MODEL) -> None:
     """``--run``: one peers.py workload, warmed up as peers.py warms kvpilot."""
     torch.set_num_threads(cpu_threads())
     threads = torch.get_num_threads()
     work = make_workload(workload)
-    llm = LLM(model=MODEL, **{**KVPILOT_SETTINGS, "dtype": dtype})
+    llm = LLM(model=model, **{**KVPILOT_SETTINGS, "dtype": dtype})
     warm_up_kvpilot(llm, work[0][0])
     result = {
         "machine": machine(threads),
-        "model": MODEL,
+        "model": model,
         "dtype": dtype,
         "workload": workload,
         "run": profile_run(llm, work),
@@ -351,9 +351,10 @@ def main() -> None:
                     help="model dtype (bfloat16: for CPUs with AVX512-BF16 or AMX)")
     ap.add_argument("--run", choices=["w48", "w96"], default=None,
                     help="profile a whole bench/peers.py workload run instead of single steps")
+    ap.add_argument("--model", default=MODEL, help="with --run: the model the workload runs on")
     args = ap.parse_args()
     if args.run:
-        main_run(args.run, args.out or f"profile_run_{args.run}", args.dtype)
+        main_run(args.run, args.out or f"profile_run_{args.run}", args.dtype, args.model)
         return
     args.out = args.out or "profile"
     torch.set_num_threads(cpu_threads())
