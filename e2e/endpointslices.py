@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from .cluster import Kube, endpointslices, pod_ready, services, terminating
+from .load import Endpoint
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 MANAGED_BY_LABEL = "endpointslice.kubernetes.io/managed-by"
@@ -123,3 +124,19 @@ class EndpointSliceController:
         for name in live.keys() - want.keys():
             await self.kube.delete(f"{endpointslices(self.ns)}/{name}")
             self.writes += 1
+
+
+async def service_endpoints(kube: Kube, ns: str, service: str) -> list[Endpoint]:
+    """The Service's ready, non-terminating endpoints from its EndpointSlices: where a client in the cluster
+    (kube-proxy) sends a request."""
+    eps = []
+    for s in await kube.list(endpointslices(ns), label_selector=f"{SERVICE_NAME_LABEL}={service}"):
+        if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) != service:
+            continue  # the emulator does not filter by label
+        port = next((p["port"] for p in s.get("ports") or [] if p.get("name") == "http"), None)
+        for ep in s.get("endpoints") or []:
+            cond = ep.get("conditions") or {}
+            if port and cond.get("ready") is not False and not cond.get("terminating"):
+                name = (ep.get("targetRef") or {}).get("name") or ep["addresses"][0]
+                eps.append(Endpoint(name, f"http://{ep['addresses'][0]}:{port}"))
+    return sorted(eps, key=lambda e: e.pod)

@@ -46,12 +46,11 @@ from .cluster import (
     Kube,
     condition,
     deployments,
-    endpointslices,
     leaderworkersets,
     pods,
     services,
 )
-from .endpointslices import SERVICE_NAME_LABEL
+from .endpointslices import service_endpoints
 from .leaderworkerset import NAME_LABEL, WORKER_INDEX_LABEL
 from .lifecycle import Config as MainConfig
 from .lifecycle import (
@@ -177,22 +176,6 @@ def node_capacity(cfg: Config) -> dict[str, str]:
     res = multinode_cr(cfg, Path("/model"))["spec"]["resources"]
     return {"cpu": f"{quantity(res['cpu']) * 4:g}", "memory": f"{quantity(res['memory']) * 4 / 2**20:.0f}Mi",
             GPU: "0"}
-
-
-async def service_endpoints(kube: Kube, ns: str, service: str) -> list[Endpoint]:
-    """The Service's ready, non-terminating endpoints from its EndpointSlices: where a client in the cluster
-    (kube-proxy) sends a request."""
-    eps = []
-    for s in await kube.list(endpointslices(ns), label_selector=f"{SERVICE_NAME_LABEL}={service}"):
-        if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) != service:
-            continue  # the emulator does not filter by label
-        port = next((p["port"] for p in s.get("ports") or [] if p.get("name") == "http"), None)
-        for ep in s.get("endpoints") or []:
-            cond = ep.get("conditions") or {}
-            if port and cond.get("ready") is not False and not cond.get("terminating"):
-                name = (ep.get("targetRef") or {}).get("name") or ep["addresses"][0]
-                eps.append(Endpoint(name, f"http://{ep['addresses'][0]}:{port}"))
-    return sorted(eps, key=lambda e: e.pod)
 
 
 class ServiceView:

@@ -41,7 +41,7 @@ from kvpilot.operator import crd
 from . import netns, procs, workload
 from .agent import NodeAgent
 from .cluster import Kube, deployments, endpointslices, services
-from .endpointslices import SERVICE_NAME_LABEL
+from .endpointslices import SERVICE_NAME_LABEL, service_endpoints
 from .lifecycle import Config as MainConfig
 from .lifecycle import (
     Phases,
@@ -183,17 +183,7 @@ class RouterView:
         return list(self._eps)
 
     async def refresh(self) -> list[Endpoint]:
-        eps = []
-        for s in await self.kube.list(endpointslices(self.ns), label_selector=f"{SERVICE_NAME_LABEL}={self.service}"):
-            if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) != self.service:
-                continue  # the emulator does not filter by label
-            port = next((p["port"] for p in s.get("ports") or [] if p.get("name") == "http"), None)
-            for ep in s.get("endpoints") or []:
-                cond = ep.get("conditions") or {}
-                if port and cond.get("ready") is not False and not cond.get("terminating"):
-                    name = (ep.get("targetRef") or {}).get("name") or ep["addresses"][0]
-                    eps.append(Endpoint(name, f"http://{ep['addresses'][0]}:{port}"))
-        self._eps = sorted(eps, key=lambda e: e.pod)
+        self._eps = await service_endpoints(self.kube, self.ns, self.service)
         return self.endpoints()
 
     async def scrape(self) -> dict[str, dict[str, float]]:
