@@ -55,6 +55,8 @@ bench: install
 	$(PY) bench/throughput.py
 	$(PY) bench/serving.py
 	$(PY) bench/autoscale_sim.py
+	$(PY) bench/parallel.py
+	$(PY) bench/lm_head.py
 
 # vLLM's CPU build, llama.cpp and HF on the same workloads, each in its own venv under the user cache dir.
 bench-peers: install
