@@ -21,6 +21,7 @@ from kvpilot.daemon.engine.executor.multiproc import RankFailed
 from kvpilot.daemon.engine.executor.shm_broadcast import ShmBroadcast
 from kvpilot.daemon.engine.lora import LoRARequest
 from kvpilot.daemon.engine.sampling_params import SamplingParams
+from tests.support import quant_formats as qf
 from tests.support.hf_parity import save_tiny, token_prompts
 from tests.support.lora_adapters import write_adapter
 from tests.support.rank_procs import spawned_ranks
@@ -69,6 +70,7 @@ def _run(folder: Path, **kw: Any) -> dict[str, Any]:
     llm = LLM(str(folder), **_engine_kwargs(**kw))
     try:
         out = _scenario(llm)
+        out["quantization"] = llm.engine.loaded.quantization
         runner = llm.engine.runner
         if llm.engine.config.world_size > 1:  # several ranks: each ran its part of every step
             out["rank_stats"] = runner.pipeline_stats()
@@ -142,6 +144,24 @@ def test_mixture_of_experts_at_tensor_two(tmp_path: Path, arch: str) -> None:
     """Experts split along their intermediate size, sinks and q/k norms per rank: one process's outputs."""
     folder = _moe_model(arch, tmp_path)
     _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
+
+
+_CHECKPOINTS = {  # quantizer of one projection's float weight, and the checkpoint's quantization_config
+    "awq": (lambda _, w: qf.awq_gemm(w, 32), qf.awq_config(32)),
+    "gptq": (lambda _, w: qf.gptq(w, 32, desc_act=False, sym=True), qf.gptq_config(32, desc_act=False, sym=True)),
+    "fp8": (lambda _, w: qf.fp8_channel(w), qf.fp8_ct_config("channel")),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(_CHECKPOINTS))
+def test_quantized_checkpoints_at_tensor_two(tmp_path: Path, llama8: Path, fmt: str) -> None:
+    """A quantized checkpoint's slices (row-split layers' groups of input columns, per-channel scales) give
+    the single process's outputs on the same checkpoint."""
+    quantize, config = _CHECKPOINTS[fmt]
+    qf.rewrite_checkpoint(llama8, tmp_path / fmt, quantize, config, {})
+    single, split = _run(tmp_path / fmt), _run(tmp_path / fmt, tensor_parallel_size=2)
+    assert single["quantization"] == split["quantization"] == fmt  # the checkpoint's own method ran
+    _assert_same(single, split)
 
 
 def test_smollm2_at_tensor_three() -> None:
