@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "greedy_cpu.c",
                                             "elementwise_cpu.c", "store_kv_cpu.c", "small_gemm_cpu.c",
-                                            "gguf_gemm_cpu.c", "lora_cpu.c"))
+                                            "gguf_gemm_cpu.c", "lora_cpu.c", "decode_layers_cpu.c"))
 # -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).

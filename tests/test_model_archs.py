@@ -61,6 +61,13 @@ def _configs() -> dict[str, Callable[[], tuple[Any, type]]]:
                                              original_max_position_embeddings=64, rope_parameters=dict(longrope)),
                                tf.Phi3ForCausalLM),
         "olmo2": lambda: (tf.Olmo2Config(**TINY, num_hidden_layers=2, attention_bias=True), tf.Olmo2ForCausalLM),
+        # Phi-4-mini's shape: LongRoPE over 3/4 of each head (12 of 16 dims: 6 factors), the rest passed
+        "phi3_partial": lambda: (tf.Phi3Config(**{k: v for k, v in TINY.items() if k != "head_dim"},
+                                               num_hidden_layers=2, original_max_position_embeddings=64,
+                                               rope_parameters={**longrope, "partial_rotary_factor": 0.75,
+                                                                "short_factor": longrope["short_factor"][:6],
+                                                                "long_factor": longrope["long_factor"][:6]}),
+                                 tf.Phi3ForCausalLM),
     }
 
 
@@ -86,7 +93,7 @@ WORST: dict[str, float] = {}
 @pytest.mark.parametrize("name", list(_configs()))
 def test_matches_hf(name: str, tiny: Callable[[str], tuple[Path, Any]]) -> None:
     folder, hf = tiny(name)
-    max_len = 64 if name == "phi3_short" else None  # LongRoPE's short factors: every position in the window
+    max_len = 64 if name.startswith("phi3") else None  # LongRoPE's short factors: every position in the window
     prompts = token_prompts()
     llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=64, max_model_len=max_len)
     worst = max_logprob_error(llm, hf, prompts)

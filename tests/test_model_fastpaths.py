@@ -117,6 +117,36 @@ def test_interleave_rope_rows_is_a_per_head_permutation() -> None:
     assert bias_and_weight[:, 0].tolist() == [3 * r for r in rows.tolist()]
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["two_halves", "interleaved"])
+def test_partial_rotation_is_hfs_in_both_layouts(interleaved: bool) -> None:
+    """RoPE over the first 12 of 16 dims (Phi-4-mini's 3/4): the model's q/k dim order and its tables padded with
+    cos 1, sin 0 rotate whole heads and give HF's partial rotation, the passed dims untouched."""
+    from kvpilot.daemon.engine.models.rope import permute_rope_rows, rope_dim_order
+
+    t, heads, hd, rot = 5, 3, 16, 12
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.randint(0, 300, (t,))[:, None].float() * inv_freq[None, :]
+    x = torch.randn(t, heads, hd)
+    # HF's apply_rotary_pos_emb with cos/sin of rot dims: rotate_half on x[..., :rot], x[..., rot:] passed
+    cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None], torch.cat([freqs.sin()] * 2, -1)[:, None]
+    x_rot = x[..., :rot]
+    half = torch.cat([-x_rot[..., rot // 2:], x_rot[..., : rot // 2]], -1)
+    hf = torch.cat([x_rot * cos + half * sin, x[..., rot:]], -1)
+
+    order = rope_dim_order(hd, rot, interleaved)
+    rows = permute_rope_rows(torch.arange(heads * hd), hd, order)
+    kept = x.reshape(t, heads * hd)[:, rows].contiguous()
+    passed = torch.zeros(t, (hd - rot) // 2)
+    if interleaved:
+        cis = torch.cat([torch.polar(torch.ones_like(freqs), freqs), torch.polar(torch.ones_like(passed), passed)], 1)
+        ours = _rotate(kept, t, heads, hd, cis[:, None], None)
+    else:
+        ours = _rotate(kept, t, heads, hd, torch.cat([freqs.cos(), passed + 1], 1)[:, None],
+                       torch.cat([freqs.sin(), passed], 1)[:, None])
+    torch.testing.assert_close(ours.reshape(t, heads * hd), hf.reshape(t, heads * hd)[:, rows], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours.reshape(t, heads * hd)[:, rows.argsort()].view(t, heads, hd)[..., rot:], x[..., rot:])
+
+
 def _logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     entry = SeqBatchEntry(token_ids=prompt, start_pos=0, block_table=list(range(-(-len(prompt) // 16))),
                           compute_logits=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..models.rope import interleave_rope_rows
+from ..models.rope import permute_rope_rows
 from .errors import LoRAAdapterError
 from .request import LoRARequest
 
@@ -212,8 +212,8 @@ def _fit(request: LoRARequest, model: Any, proj: Any, attr: str, part: int | Non
         rows, start, size = proj.partitions[p]
         rows_b = b[offset:offset + rows]
         offset += rows
-        if model.interleaved_rope and attr == "qkv_proj" and p < 2:  # q and k rows: as the base's weights
-            rows_b = interleave_rope_rows(rows_b, model.head_dim)
+        if attr == "qkv_proj" and p < 2:  # q and k rows: in the base's order
+            rows_b = permute_rope_rows(rows_b, model.head_dim, model.rope_order)
         dst = sum(s for _, _, s in proj.partitions[:p])
         pieces.append((dst, rows_b[start:start + size]))
     if part is not None:

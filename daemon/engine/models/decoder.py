@@ -27,10 +27,11 @@ from ..host_malloc import row_slices
 from .base import AttentionMetadata, LoRABatch, OutputRows
 from .linear import Linear, keep_panels, linear, prepack, prepack_supported, small_batch_rows
 from .moe import MoEBlock
+from .native_decode import NativeDecodeLayers
 from .parallel import SINGLE, ParallelContext
 from .quantization import QuantMethod, get_quant_method
 from .quantization.unquantized import panels_in_place
-from .rope import interleave_rope_rows, rope_inv_freq, rotate
+from .rope import permute_rope_rows, rope_dim_order, rope_inv_freq, rotary_dim, rotate
 from .spec import DecoderSpec
 
 logger = logging.getLogger(__name__)
@@ -346,6 +347,12 @@ class DecoderForCausalLM(nn.Module):
         # per step: bench/results/profile_bf16_quick.md); other dtypes and devices keep HF's
         # layout, since complex32 arithmetic is not there on every device
         self.interleaved_rope = dtype == torch.float32 or (dtype == torch.bfloat16 and device.type == "cpu")
+        # the rotary dims, one count for the whole model (its q/k rows are kept in one order: rope_dim_order)
+        rot_dims = {rotary_dim(config, self.head_dim, key) for key in rope_keys}
+        if len(rot_dims) > 1:
+            raise ValueError(f"{spec.arch}: partial_rotary_factor differs between layer types ({sorted(rot_dims)} dims)")
+        self.rotary_dim = rot_dims.pop()
+        self.rope_order = rope_dim_order(self.head_dim, self.rotary_dim, self.interleaved_rope)
         self.rope_cos: list[torch.Tensor] = []
         self.rope_sin: list[torch.Tensor | None] = []
         for key in rope_keys:
@@ -359,16 +366,26 @@ class DecoderForCausalLM(nn.Module):
         self.register_buffer("lm_head_panels", None, persistent=False)  # the LM head's panels beside a packed copy
         self._logits_out: torch.Tensor | None = None  # see compute_logits
         self.lm_head_chunks: list[torch.Tensor] = []  # the packed head in vocabulary chunks (prepack_weights)
+        # decode steps' layers in one native call where the model allows it (native_decode.py); False once
+        # found not to, None until the first decode step after the caches are bound
+        self.use_native_decode = True
+        self._native_decode: NativeDecodeLayers | bool | None = None
 
     def _rope_table(self, config: Any, key: str | None, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """cos/sin for every position up to max_model_len, computed in float32 and cast once (as HF does
-        per step): complex ``cos + i*sin`` for interleaved rows, else cos and sin in the model dtype."""
+        per step): complex ``cos + i*sin`` for interleaved rows, else cos and sin in the model dtype. Dims a
+        partial rotation passes get cos 1 and sin 0 (see ``rope_dim_order``)."""
         inv_freq, attn_scale = rope_inv_freq(config, self.head_dim, max_model_len, key)
         freqs = torch.arange(max_model_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        passed = (max_model_len, (self.head_dim - self.rotary_dim) // 2)
         if self.interleaved_rope:
-            return torch.polar(torch.full_like(freqs, attn_scale), freqs).to(self.device), None
+            cis = torch.polar(torch.full_like(freqs, attn_scale), freqs)
+            cis = torch.cat([cis, torch.ones(passed, dtype=cis.dtype)], dim=1)
+            return cis.to(self.device), None
         cast = {"device": self.device, "dtype": self.dtype}
-        return (freqs.cos() * attn_scale).to(**cast), (freqs.sin() * attn_scale).to(**cast)
+        cos = torch.cat([freqs.cos() * attn_scale, torch.ones(passed)], dim=1)
+        sin = torch.cat([freqs.sin() * attn_scale, torch.zeros(passed)], dim=1)
+        return cos.to(**cast), sin.to(**cast)
 
     @property
     def num_local_layers(self) -> int:
@@ -385,6 +402,7 @@ class DecoderForCausalLM(nn.Module):
         if len(k_caches) != n or len(v_caches) != n:
             raise ValueError(f"need {n} K and V caches, got {len(k_caches)} and {len(v_caches)}")
         self.k_caches, self.v_caches = list(k_caches), list(v_caches)
+        self._native_decode = None  # its records point at the caches: built again on the next decode step
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata,
                 output_rows: OutputRows | None = None, lora: LoRABatch | None = None,
@@ -408,6 +426,12 @@ class DecoderForCausalLM(nn.Module):
             x = self._embed_shard(input_ids)
         if self.embed_scale is not None and hidden is None:
             x = x * self.embed_scale
+        if output_rows is None and lora is None and hidden is None and attn_meta.max_query_len == 1:
+            native = self._native_decode_layers()
+            y = None if native is None else native.run(x, positions, attn_meta)
+            if y is not None:
+                assert self.norm is not None  # one pipeline stage: the last
+                return _rms_norm(y, self.norm, self.eps)
         tables = [
             (cos.index_select(0, positions).unsqueeze(1),  # [T, 1, head_dim/2]
              None if sin is None else sin.index_select(0, positions).unsqueeze(1))
@@ -420,6 +444,16 @@ class DecoderForCausalLM(nn.Module):
             cos, sin = tables[layer.rope_index]
             x = layer(x, cos, sin, attn_meta, kc, vc, output_rows if i == last else None, lora)
         return x if self.norm is None else _rms_norm(x, self.norm, self.eps)
+
+    def _native_decode_layers(self) -> NativeDecodeLayers | None:
+        if not self.use_native_decode:
+            return None
+        if self._native_decode is None:
+            reason = NativeDecodeLayers.why_not(self)
+            if reason is not None:
+                logger.debug("decode steps run the layers in Python: %s", reason)
+            self._native_decode = False if reason is not None else NativeDecodeLayers(self)
+        return self._native_decode or None
 
     def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: this rank's rows, zeros for the ids other ranks hold, summed over them."""
@@ -645,8 +679,8 @@ class DecoderForCausalLM(nn.Module):
         role = dict(self.spec.weights.norms).get(sub)
         if role is not None and kind == "weight":
             w = self._norm_weight(w)
-            if self.interleaved_rope and role in ("q_norm", "k_norm"):  # the q/k rows are interleaved per head
-                w = interleave_rope_rows(w, self.head_dim)
+            if role in ("q_norm", "k_norm"):  # in the order the q/k rows are kept
+                w = permute_rope_rows(w, self.head_dim, self.rope_order)
             if self.spec.qk_norm == "projection" and role in ("q_norm", "k_norm"):
                 w = layer.projection_norm_slice(w, role)
             return _copy(getattr(layer, role).data, w)
@@ -681,12 +715,9 @@ class DecoderForCausalLM(nn.Module):
     def _load_partition(self, proj: Linear, attr: str, partition: int, kind: str, w: torch.Tensor,
                         **fused: int) -> None:
         order = None
-        if self.interleaved_rope and attr == "qkv_proj" and partition < 2:  # q and k rows: interleaved pairs
-            order = self._rope_row_order(proj.partitions[partition][0])
+        if self.rope_order is not None and attr == "qkv_proj" and partition < 2:  # q and k rows, as RoPE keeps them
+            order = permute_rope_rows(torch.arange(proj.partitions[partition][0]), self.head_dim, self.rope_order)
         proj.load(kind, w, partition, row_order=order, **fused)
-
-    def _rope_row_order(self, rows: int) -> torch.Tensor:
-        return interleave_rope_rows(torch.arange(rows), self.head_dim)
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
         return 1.0 + w.float() if self.spec.norm_weight == "one_plus" else w

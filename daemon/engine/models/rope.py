@@ -15,7 +15,8 @@ import torch
 
 from kvpilot.kernels import ops
 
-__all__ = ["rope_params", "rope_inv_freq", "rotate", "interleave_rope_rows"]
+__all__ = ["rope_params", "rotary_dim", "rope_inv_freq", "rotate", "interleave_rope_rows", "rope_dim_order",
+           "permute_rope_rows"]
 
 # computed here; other static types (yarn, ...) by transformers' own functions
 _NATIVE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope")
@@ -40,14 +41,24 @@ def _partial_factor(config: Any, p: dict[str, Any]) -> float:
     return float(p.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0)
 
 
+def rotary_dim(config: Any, head_dim: int, layer_type: str | None = None) -> int:
+    """The leading dims of each head that RoPE rotates: all of them, or ``partial_rotary_factor`` of them
+    (Phi-4-mini: 0.75); ``ValueError`` naming the field where that is not an even count within the head."""
+    factor = _partial_factor(config, rope_params(config, layer_type))
+    dim = int(head_dim * factor)
+    if not 2 <= dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor={factor} gives {dim} rotary dims of a {head_dim}-dim head; "
+                         f"RoPE needs an even number from 2 to {head_dim}")
+    return dim
+
+
 def rope_inv_freq(config: Any, head_dim: int, max_len: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scale for the config's RoPE type."""
+    """Inverse frequencies [rotary_dim/2] (float32; ``rotary_dim`` is head_dim unless the config rotates only
+    part of each head) and the cos/sin scale for the config's RoPE type."""
     p = rope_params(config, layer_type)
     rope_type = p["rope_type"]
     field = "rope_parameters" + (f"[{layer_type!r}]" if layer_type else "") + ".rope_type"
-    if _partial_factor(config, p) != 1.0:
-        # the rotation covers whole heads (both layouts); a partial one is not implemented
-        raise ValueError(f"partial_rotary_factor={_partial_factor(config, p)} is not supported (RoPE over the whole head only)")
+    head_dim = rotary_dim(config, head_dim, layer_type)  # HF computes every type over the rotary dims only
     base = float(p["rope_theta"])
     exps = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
     if rope_type == "dynamic":
@@ -118,6 +129,34 @@ def rotate(qk: torch.Tensor, t: int, heads: int, hd: int, cos: torch.Tensor, sin
         return rotated if rotated.dtype == qk.dtype else rotated.to(qk.dtype)
     x1, x2 = qk.view(t, heads, hd).chunk(2, dim=-1)  # HF's rotate_half layout: two halves
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_dim_order(head_dim: int, rot_dim: int, interleaved: bool) -> torch.Tensor | None:
+    """The order the model keeps each head's q/k dims in (``order[i]`` is checkpoint dim ``order[i]``), or None
+    where that is the checkpoint's own.
+
+    A partial rotation keeps the last ``head_dim - rot_dim`` dims as they are. Their halves are moved beside
+    the rotated halves, ``[rot 1st half | pass 1st half | rot 2nd half | pass 2nd half]``, so that one
+    rotation over the whole head with cos 1 and sin 0 on the passed dims (exact: ``x*1 - y*0``) is HF's
+    partial one, and every kernel rotates whole heads. Interleaved rows then pair each dim of the first half
+    with its partner in the second (``interleave_rope_rows``). Scores are q.k products under one permutation
+    of both, so they are unchanged."""
+    if rot_dim == head_dim and not interleaved:
+        return None
+    r, p = rot_dim // 2, (head_dim - rot_dim) // 2
+    order = torch.cat([torch.arange(0, r), torch.arange(rot_dim, rot_dim + p), torch.arange(r, rot_dim),
+                       torch.arange(rot_dim + p, head_dim)])
+    return order.view(2, head_dim // 2).T.reshape(-1) if interleaved else order
+
+
+def permute_rope_rows(w: torch.Tensor, head_dim: int, order: torch.Tensor | None) -> torch.Tensor:
+    """q/k projection rows (or their bias, norm weights, LoRA B rows) of whole heads in ``order`` per head
+    (``rope_dim_order``); ``w`` itself for None."""
+    if order is None:
+        return w
+    heads = w.shape[0] // head_dim
+    rows = (torch.arange(heads)[:, None] * head_dim + order[None, :]).reshape(-1)
+    return w.index_select(0, rows.to(w.device))
 
 
 def interleave_rope_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -120,6 +120,13 @@ class QuantMethod(ABC):
               residual: torch.Tensor | None) -> torch.Tensor:
         """``residual + x @ W.T + bias`` (each term where given) for this rank's weight."""
 
+    def native_blocks(self, layer: Linear) -> list[tuple[int, int, int, torch.Tensor]] | None:  # noqa: ARG002
+        """The layer's weight as runs of GGUF blocks that ``ops.gguf_linear``'s native CPU GEMM multiplies
+        as they are: ``(first output row, rows, GGML type, blocks [rows, row_bytes] uint8)`` each, covering
+        every row. None where the weight is held otherwise (float, or blocks that need their activations
+        permuted first): a decode step's native layers (``native_decode.py``) then leave the model to Python."""
+        return None
+
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the layer's weight, in the model dtype: the token lookup of a method that
         ``quantizes_embeddings``."""

@@ -146,6 +146,12 @@ class GGUFLinearMethod(QuantMethod):
                                            None if residual is None else residual[:, part])
         return out
 
+    def native_blocks(self, layer: Linear) -> list[tuple[int, int, int, torch.Tensor]] | None:
+        segments = layer.gguf_segments
+        if any(s.qtype == _FLOAT for s in segments):
+            return None
+        return [(s.row, s.rows, s.qtype, s.data) for s in segments]
+
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         (seg,) = layer.gguf_segments  # an embedding is one tensor, so one segment
         if seg.qtype == _FLOAT:

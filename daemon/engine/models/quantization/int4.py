@@ -205,6 +205,11 @@ class Int4LinearMethod(QuantMethod):
             x = x.index_select(-1, layer.act_perm)
         return ops.gguf_linear(x, layer.qweight, Q4_1, bias, residual)
 
+    def native_blocks(self, layer: Linear) -> list[tuple[int, int, int, torch.Tensor]] | None:
+        if layer.act_perm is not None or layer.qweight is None:  # desc_act permutes the activations first
+            return None
+        return [(0, layer.qweight.shape[0], Q4_1, layer.qweight)]
+
     def weight_bytes(self, layer: Linear) -> int:
         tensors = [layer.qweight, layer.act_perm] if layer.qweight is not None else \
             list(getattr(layer, "int4_staged", {}).values())

@@ -1,0 +1,217 @@
+"""A decode step's decoder layers in one native call on the CPU (``kernels/csrc/decode_layers_cpu.c``).
+
+At a few rows a step, a layer's kernels take microseconds each and Python's dispatch around them (module calls,
+argument checks, ctypes conversions) about as long again: a third of a single-stream Q4_1 decode step
+(bench/results/single_stream.json). The C loop runs the very kernels ``DecoderLayer.forward`` calls, in its
+order, with its thread count, so the hidden states come out bit-identical; Python writes each layer's record
+once and only the step's record (rows, positions' RoPE factors, block tables) per step.
+
+It takes layers whose weights the native GGUF GEMM multiplies as they are (GGUF, AWQ and GPTQ without
+desc_act: ``QuantMethod.native_blocks``), with pre-norm RMSNorms, per-head q/k norms or none, and a SiLU
+MLP, no sinks, soft-capping or MoE, on one rank, with caches of the activations' dtype. ``why_not`` names
+what keeps a model out; such a model, and any step with prefill rows, LoRA rows or more rows than the GEMM's register-tiled
+path takes, runs through Python as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvpilot.kernels import cpu_native, gguf
+
+from .base import AttentionMetadata
+
+if TYPE_CHECKING:
+    from .decoder import DecoderForCausalLM, DecoderLayer
+    from .linear import Linear
+
+__all__ = ["NativeDecodeLayers"]
+
+_DTYPES = (torch.float32, torch.bfloat16)
+# the C records' slots (decode_layers_cpu.c's enums)
+(L_IN_NORM, L_MLP_NORM, L_EPS, L_K_CACHE, L_V_CACHE, L_HEADS, L_KV_HEADS, L_HEAD_DIM, L_BLOCK_SIZE, L_SCALE,
+ L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS, L_Q_NORM, L_K_NORM) = range(17)
+L_GEMMS = 18
+(S_ROWS, S_X, S_H, S_NORMED, S_QKV, S_ATTN, S_GATE_UP, S_ACT, S_CIS, S_SLOTS, S_BLOCK_TABLES, S_BT_STRIDE,
+ S_CONTEXT_LENS, S_QSL, S_SEQS, S_BF16, S_THREADS, S_QK) = range(18)
+
+
+def _double_bits(v: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
+def _entry() -> tuple[ctypes._CFuncPtr, int, int, int] | None:
+    """The C entry point and its record sizes (layer slots, step slots, segments per GEMM)."""
+    lib = cpu_native._load()  # noqa: SLF001 - the same library as every other native kernel
+    if lib is None or not hasattr(lib, "kvpilot_decode_layers"):
+        return None
+    fn = lib.kvpilot_decode_layers
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    sizes = []
+    for name in ("kvpilot_decode_layer_slots", "kvpilot_decode_step_slots", "kvpilot_decode_max_segments"):
+        size = getattr(lib, name)
+        size.argtypes, size.restype = [], ctypes.c_int
+        sizes.append(int(size()))
+    return fn, sizes[0], sizes[1], sizes[2]
+
+
+def _norm_ok(w: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return w is not None and w.dtype is dtype and w.is_contiguous()
+
+
+def _layer_why_not(layer: DecoderLayer, dtype: torch.dtype, max_segments: int) -> str | None:
+    if layer.moe is not None:
+        return "a mixture-of-experts MLP"
+    if layer.sinks is not None or layer.attn_kwargs:
+        return "attention sinks or soft-capping"
+    if layer.q_norm is not None and not (layer.spec.qk_norm == "per_head" and _norm_ok(layer.q_norm, dtype)
+                                         and _norm_ok(layer.k_norm, dtype)):
+        return "q/k norms over the whole projection, or in another dtype than the activations"
+    if layer.spec.activation != "silu":
+        return f"the {layer.spec.activation} activation"
+    if layer.post_attn_norm is not None or layer.post_mlp_norm is not None:
+        return "norms after attention or the MLP"
+    if not (_norm_ok(layer.input_norm, dtype) and _norm_ok(layer.pre_mlp_norm, dtype)):
+        return "norm weights in another dtype than the activations"
+    for proj in layer.projections():
+        blocks = proj.quant_method.native_blocks(proj)
+        if blocks is None:
+            return f"{proj.quant_method.describe()} weights the native GGUF GEMM does not take as they are"
+        if len(blocks) > max_segments:
+            return f"more than {max_segments} runs of block types in one layer"
+        if proj.bias is not None and not (proj.bias.dtype is dtype and proj.bias.is_contiguous()):
+            return "a bias in another dtype than the activations"
+    return None
+
+
+class NativeDecodeLayers:
+    """The records of one model's layers over its bound caches, and the step call. Build it with
+    ``for_model``, which gives None where the model or this build does not allow it."""
+
+    @staticmethod
+    def why_not(model: DecoderForCausalLM) -> str | None:
+        """Why ``model`` cannot run its decode steps natively, or None where it can."""
+        entry = _entry()
+        if entry is None:
+            return "the native CPU kernels are not built"
+        dtype = model.dtype
+        if model.device.type != "cpu" or dtype not in _DTYPES:
+            return "not float32 or bfloat16 on the CPU"
+        if model.parallel.tp_size > 1 or model.parallel.pp_size > 1:
+            return "tensor or pipeline parallelism"
+        if not model.interleaved_rope or any(sin is not None for sin in model.rope_sin):
+            return "RoPE in HF's two-halves layout"
+        if not model.k_caches or len(model.layers) == 0:
+            return "no bound KV caches"
+        for kc, vc in zip(model.k_caches, model.v_caches, strict=True):
+            if kc.dtype is not dtype or vc.dtype is not dtype or not (kc.is_contiguous() and vc.is_contiguous()):
+                return "a KV cache in another dtype than the activations"
+        for layer in model.layers:
+            reason = _layer_why_not(layer, dtype, entry[3])
+            if reason is not None:
+                return reason
+        return None
+
+    @classmethod
+    def for_model(cls, model: DecoderForCausalLM) -> NativeDecodeLayers | None:
+        return None if cls.why_not(model) is not None else cls(model)
+
+    def __init__(self, model: DecoderForCausalLM) -> None:
+        entry = _entry()
+        assert entry is not None
+        self._fn, layer_slots, step_slots, self._max_segments = entry
+        self.dtype = model.dtype
+        self.max_rows = gguf.NATIVE_MAX_ROWS[model.dtype]
+        self._keep: list[torch.Tensor] = []  # every tensor a record points at, alive as long as the records
+        layers = model.layers
+        records = np.zeros((len(layers), layer_slots), dtype=np.int64)
+        widths = {"qkv": 0, "qk": 0, "attn": 0, "inter": 0}
+        for i, (layer, kc, vc) in enumerate(zip(layers, model.k_caches, model.v_caches, strict=True)):
+            records[i] = self._layer_record(layer, kc, vc, layer_slots)
+            widths["qkv"] = max(widths["qkv"], (layer.local_heads + 2 * layer.local_kv_heads) * layer.head_dim)
+            widths["qk"] = max(widths["qk"], (layer.local_heads + layer.local_kv_heads) * layer.head_dim)
+            widths["attn"] = max(widths["attn"], layer.local_heads * layer.head_dim)
+            widths["inter"] = max(widths["inter"], layer.local_inter)
+        self._records = records
+        m, hidden, dtype = self.max_rows, model.hidden_size, model.dtype
+        widths.update(x=hidden, h=hidden, normed=hidden, gate_up=2 * widths["inter"], act=widths["inter"])
+        self._buffers = {name: torch.empty((m, widths[name]), dtype=dtype) for name in
+                         ("x", "h", "normed", "qkv", "qk", "attn", "gate_up", "act")}
+        self._rope_cos = model.rope_cos
+        # numpy, not torch: a step writes a dozen slots, and a torch element write costs a microsecond or two
+        self._cis_ptrs = np.zeros(len(model.rope_cos), dtype=np.int64)
+        self._step = np.zeros(step_slots, dtype=np.int64)
+        b = self._buffers
+        for slot, name in ((S_X, "x"), (S_H, "h"), (S_NORMED, "normed"), (S_QKV, "qkv"), (S_QK, "qk"),
+                           (S_ATTN, "attn"), (S_GATE_UP, "gate_up"), (S_ACT, "act")):
+            self._step[slot] = b[name].data_ptr()
+        self._step[S_CIS] = self._cis_ptrs.ctypes.data
+        self._step[S_BF16] = int(dtype is torch.bfloat16)
+
+    def _gemm_slots(self, proj: Linear) -> list[int]:
+        blocks = proj.quant_method.native_blocks(proj)
+        assert blocks is not None
+        slots = [0 if proj.bias is None else proj.bias.data_ptr(), len(blocks)]
+        for row, rows, qtype, data in blocks:
+            if data.stride(1) != 1:
+                data = data.contiguous()
+            self._keep.append(data)
+            slots += [qtype, data.data_ptr(), data.stride(0), row, rows]
+        return slots + [0] * (5 * (self._max_segments - len(blocks)))
+
+    def _layer_record(self, layer: DecoderLayer, kc: torch.Tensor, vc: torch.Tensor, slots: int) -> list[int]:
+        rec = [0] * slots
+        assert layer.input_norm is not None and layer.pre_mlp_norm is not None
+        self._keep += [layer.input_norm, layer.pre_mlp_norm, kc, vc]
+        rec[L_IN_NORM], rec[L_MLP_NORM] = layer.input_norm.data_ptr(), layer.pre_mlp_norm.data_ptr()
+        rec[L_EPS], rec[L_SCALE] = _double_bits(layer.eps), _double_bits(layer.scale)
+        if layer.q_norm is not None and layer.k_norm is not None:  # per head (why_not refuses the others)
+            self._keep += [layer.q_norm, layer.k_norm]
+            rec[L_Q_NORM], rec[L_K_NORM] = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
+        rec[L_K_CACHE], rec[L_V_CACHE] = kc.data_ptr(), vc.data_ptr()
+        rec[L_HEADS], rec[L_KV_HEADS], rec[L_HEAD_DIM] = layer.local_heads, layer.local_kv_heads, layer.head_dim
+        rec[L_BLOCK_SIZE], rec[L_NUM_SLOTS] = kc.shape[1], kc.shape[0] * kc.shape[1]
+        rec[L_WINDOW], rec[L_ROPE] = layer.sliding_window or 0, layer.rope_index
+        rec[L_INTER], rec[L_HIDDEN] = layer.local_inter, layer.spec.hidden_size
+        gemm_slots = (slots - L_GEMMS) // 4
+        for g, proj in enumerate((layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)):
+            assert proj is not None
+            at = L_GEMMS + g * gemm_slots
+            rec[at:at + gemm_slots] = self._gemm_slots(proj)
+        return rec
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The layers' output for the step's rows ``x [T, hidden]`` (a view of a buffer kept here, valid
+        until the next call), or None where this step is not one the native loop takes (the caller runs the
+        layers in Python)."""
+        t = x.shape[0]
+        if not 0 < t <= self.max_rows or meta.max_query_len != 1 or x.dtype is not self.dtype:
+            return None
+        bt, ctx, qsl = meta.block_tables, meta.context_lens, meta.query_start_loc
+        slots = meta.slot_mapping
+        if not (bt.dtype is ctx.dtype is qsl.dtype is torch.int32 and slots.dtype is torch.int64
+                and bt.stride(-1) == 1 and ctx.is_contiguous() and qsl.is_contiguous() and slots.is_contiguous()
+                and slots.shape[0] == t):
+            return None
+        cis = [cos.index_select(0, positions) for cos in self._rope_cos]  # [T, head_dim / 2] complex each
+        for i, c in enumerate(cis):
+            self._cis_ptrs[i] = c.data_ptr()
+        buf = self._buffers["x"][:t]
+        buf.copy_(x)
+        step = self._step
+        step[S_ROWS], step[S_SLOTS], step[S_BLOCK_TABLES], step[S_BT_STRIDE] = t, slots.data_ptr(), bt.data_ptr(), \
+            bt.stride(0)
+        step[S_CONTEXT_LENS], step[S_QSL], step[S_SEQS] = ctx.data_ptr(), qsl.data_ptr(), ctx.shape[0]
+        step[S_THREADS] = torch.get_num_threads()
+        rc = self._fn(self._records.ctypes.data, self._records.shape[0], step.ctypes.data)
+        del cis  # alive until the call returned
+        if rc != 0:
+            layer, code = divmod(rc, 1000)
+            raise RuntimeError(f"the native decode layers failed at layer {layer - 1} (code {code})")
+        return buf

@@ -1,0 +1,149 @@
+"""A decode step's layers in one native call (``models/native_decode.py``) against the same engine running the
+layers through Python: the same kernels in the same order, so tokens and logprobs are bit-identical, through
+batching, chunked prefill, prefix-cache hits, preemption and seeded sampling; and the models it leaves to
+Python say why."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvpilot.daemon.engine import LLM, SamplingParams
+from kvpilot.daemon.engine.models import native_decode
+from kvpilot.daemon.engine.models.native_decode import NativeDecodeLayers
+from support.gguf_blocks import quantize
+from support.gguf_files import BPE_TOKENS, spm_tokens, write_gguf
+
+pytestmark = pytest.mark.skipif(native_decode._entry() is None, reason="native CPU kernels not built")  # noqa: SLF001
+
+# K-quants need rows in multiples of 256 weights
+COMMON = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+          "intermediate_size": 512, "num_hidden_layers": 3, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+          "tie_word_embeddings": False}
+# a Q4_K_M-like mix: q|k|v and gate|up each hold runs of two block types
+MIXED = {"q_proj": 12, "k_proj": 12, "v_proj": 14, "o_proj": 6, "gate_proj": 3, "up_proj": 8, "down_proj": 2,
+         "embed_tokens": 8, "lm_head": 8}
+
+
+def _mixed(name: str, data: np.ndarray) -> tuple[np.ndarray, int] | None:
+    if data.ndim != 2:
+        return None
+    qtype = next(t for key, t in MIXED.items() if key in name)
+    return quantize(data, qtype, np.random.default_rng(qtype)), qtype
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """arch -> a tiny random model of it written as a GGUF file with mixed block types."""
+    import transformers as tf
+
+    root = tmp_path_factory.mktemp("native_decode")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVPILOT_CACHE_DIR", str(root / "cache"))
+    configs = {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON, vocab_size=len(spm_tokens("phi3")),
+                                                            bos_token_id=1, eos_token_id=3)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, vocab_size=len(BPE_TOKENS), bos_token_id=257,
+                                                            eos_token_id=259)),  # q/k/v biases
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, vocab_size=len(BPE_TOKENS), bos_token_id=257,
+                                                            eos_token_id=259)),  # q/k norms
+    }
+    made: dict[str, Path] = {}
+
+    def build(arch: str) -> Path:
+        if arch not in made:
+            torch.manual_seed(0)
+            hf = configs[arch]().float().eval()
+            with torch.no_grad():
+                for n, p in hf.named_parameters():
+                    if "norm" in n or n.endswith("bias"):
+                        p.add_(torch.randn_like(p) * 0.2)
+            made[arch] = root / f"tiny-{arch}.gguf"
+            write_gguf(made[arch], arch, hf, _mixed)
+        return made[arch]
+
+    yield build
+    mp.undo()
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(8, vocab, (int(k),), generator=gen).tolist()
+            for k in torch.randint(3, 70, (n,), generator=gen)]
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[Any]:
+    """Greedy with logprobs for most prompts, seeded sampling for two: (token ids, logprobs) per output."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, ignore_eos=True, seed=7, n=2)
+    params = [sampled if i in (1, 4) else greedy for i in range(len(prompts))]
+    llm.engine.reset_prefix_cache()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[(list(c.token_ids), None if c.logprobs is None else
+              [[(k, v.logprob) for k, v in sorted(d.items())] for d in c.logprobs]) for c in o.outputs]
+            for o in outs]
+
+
+def _both_ways(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, int]:
+    """The outputs with the native layers, the native steps they took, and the outputs through Python."""
+    model = llm.engine.runner.model
+    native_steps = 0
+    run = NativeDecodeLayers.run
+
+    def counted(self: NativeDecodeLayers, *a: Any) -> torch.Tensor | None:
+        nonlocal native_steps
+        y = run(self, *a)
+        native_steps += y is not None
+        return y
+
+    monkeypatch.setattr(NativeDecodeLayers, "run", counted)
+    native = _run(llm, prompts)
+    model.use_native_decode = False
+    python = _run(llm, prompts)
+    model.use_native_decode = True
+    return native, python, native_steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_native_layers_match_python_bit_for_bit(arch: str, dtype: str, gguf_model: Callable[[str], Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked prefill (48-token budget), prefix-cache hits (a repeated prompt) and recompute preemption (a
+    cache too small for every sequence at once) beside the batched decode steps."""
+    path = gguf_model(arch)
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=256, num_kv_blocks=40, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=48, enable_prefix_caching=True)
+    model = llm.engine.runner.model
+    assert NativeDecodeLayers.why_not(model) is None
+    vocab = model.vocab_size
+    prompts = _prompts(7, vocab)
+    prompts.append(list(prompts[0]))  # a prefix-cache hit
+    native, python, steps = _both_ways(llm, prompts, monkeypatch)
+    assert steps > 10
+    assert native == python
+    assert llm.engine.get_stats().num_preempted_total > 0
+
+
+def test_models_the_native_layers_leave_to_python_say_why(gguf_model: Callable[[str], Path], tmp_path: Path) -> None:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from support.hf_parity import save_tiny
+
+    cfg = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                           intermediate_size=128, num_hidden_layers=2, vocab_size=256, max_position_embeddings=128)
+    save_tiny(cfg, Gemma3ForCausalLM, tmp_path, lambda n: "norm" in n)
+    gemma = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, num_kv_blocks=16)
+    assert "activation" in (NativeDecodeLayers.why_not(gemma.engine.runner.model) or "")
+    dense = LLM(model=str(gguf_model("llama")), dtype="float32", quantization="none", max_model_len=128,
+                num_kv_blocks=16)
+    model = dense.engine.runner.model
+    assert "does not take as they are" in (NativeDecodeLayers.why_not(model) or "")
+    out = dense.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3),
+                         use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert model._native_decode is False  # noqa: SLF001 - decided once, not per step
