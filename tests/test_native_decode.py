@@ -109,15 +109,18 @@ def _both_ways(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPat
     return native, python, native_steps
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("float32", "none")],
+                         ids=["gguf-float32", "gguf-bfloat16", "panels-float32"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_native_layers_match_python_bit_for_bit(arch: str, dtype: str, gguf_model: Callable[[str], Path],
+def test_native_layers_match_python_bit_for_bit(arch: str, dtype: str, quantization: str | None,
+                                               gguf_model: Callable[[str], Path],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunked prefill (48-token budget), prefix-cache hits (a repeated prompt) and recompute preemption (a
-    cache too small for every sequence at once) beside the batched decode steps."""
+    """On the GGUF blocks, and on float32 weights dequantized at load (their panel copies). Chunked prefill
+    (48-token budget), prefix-cache hits (a repeated prompt) and recompute preemption (a cache too small for
+    every sequence at once) beside the batched decode steps."""
     path = gguf_model(arch)
-    llm = LLM(model=str(path), dtype=dtype, max_model_len=256, num_kv_blocks=40, block_size=8, max_num_seqs=8,
-              max_num_batched_tokens=48, enable_prefix_caching=True)
+    llm = LLM(model=str(path), dtype=dtype, quantization=quantization, max_model_len=256, num_kv_blocks=40,
+              block_size=8, max_num_seqs=8, max_num_batched_tokens=48, enable_prefix_caching=True)
     model = llm.engine.runner.model
     assert NativeDecodeLayers.why_not(model) is None
     vocab = model.vocab_size
@@ -139,10 +142,10 @@ def test_models_the_native_layers_leave_to_python_say_why(gguf_model: Callable[[
     save_tiny(cfg, Gemma3ForCausalLM, tmp_path, lambda n: "norm" in n)
     gemma = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, num_kv_blocks=16)
     assert "activation" in (NativeDecodeLayers.why_not(gemma.engine.runner.model) or "")
-    dense = LLM(model=str(gguf_model("llama")), dtype="float32", quantization="none", max_model_len=128,
-                num_kv_blocks=16)
+    dense = LLM(model=str(gguf_model("llama")), dtype="bfloat16", quantization="none", max_model_len=128,
+                num_kv_blocks=16)  # oneDNN's bfloat16 GEMMs
     model = dense.engine.runner.model
-    assert "does not take as they are" in (NativeDecodeLayers.why_not(model) or "")
+    assert "neither as GGUF blocks nor as float32 panels" in (NativeDecodeLayers.why_not(model) or "")
     out = dense.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3),
                          use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -28,6 +28,8 @@ int kvpilot_store_kv_f32(const float *key, int64_t key_stride, const float *valu
 int kvpilot_store_kv_copy16(const uint16_t *key, int64_t key_stride, const uint16_t *value, int64_t value_stride,
                             uint16_t *k_cache, uint16_t *v_cache, const int64_t *slots, int tokens, int row,
                             int64_t num_slots);
+void kvpilot_panel_gemm_f32(const float *x, int64_t xs, const float *wp, const float *bias, const float *res,
+                            int64_t rs, float *y, int64_t ys, int M, int N, int K, int num_threads);
 int kvpilot_paged_decode_f32(const void *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
                              const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
                              const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
@@ -42,13 +44,14 @@ int kvpilot_paged_decode_bf16kv(const void *q, int64_t q_row_stride, const uint1
 
 /* One layer's record (int64 slots; pointers as integers, floats as the bits of a double). A GEMM is
  * GEMM_SLOTS slots: its bias (0: none), its number of segments, then per segment (GGML type, blocks, bytes
- * per row, first output row, rows): a merged q|k|v may hold runs of different types (Q4_K_M). */
+ * per row, first output row, rows): a merged q|k|v may hold runs of different types (Q4_K_M). A float32
+ * weight's panels (kvpilot_pack_panels_f32) are one segment of count PANELS: (panels, output rows). */
 enum {
     L_IN_NORM, L_MLP_NORM, L_EPS, L_K_CACHE, L_V_CACHE, L_HEADS, L_KV_HEADS, L_HEAD_DIM, L_BLOCK_SIZE, L_SCALE,
     L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS, L_Q_NORM, L_K_NORM, /* per-head q/k norms (Qwen3), 0: none */
     L_GEMMS = 18,
 };
-enum { MAX_SEGMENTS = 4, GEMM_SLOTS = 2 + 5 * MAX_SEGMENTS };
+enum { MAX_SEGMENTS = 4, GEMM_SLOTS = 2 + 5 * MAX_SEGMENTS, PANELS = -1 };
 enum { G_QKV, G_O, G_GATE_UP, G_DOWN, LAYER_SLOTS = L_GEMMS + 4 * GEMM_SLOTS };
 
 /* The step's record: rows, the buffers (x holds the hidden states in and out), the RoPE factors per table,
@@ -76,6 +79,11 @@ static int gemm(const int64_t *g, const char *x, int64_t xs, int M, int K, const
     const size_t elem = bf16 ? 2 : 4;
     const char *bias = PTR(g[0]);
     const int nseg = (int)g[1];
+    if (nseg == PANELS) {
+        kvpilot_panel_gemm_f32((const float *)x, xs, PTR(g[2]), (const float *)bias, (const float *)res, rs,
+                               (float *)y, ys, M, (int)g[3], K, nt);
+        return 0;
+    }
     for (int s = 0; s < nseg; s++) {
         const int64_t *seg = g + 2 + 5 * s;
         const int64_t row = seg[3];

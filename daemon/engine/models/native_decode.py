@@ -7,7 +7,7 @@ order, with its thread count, so the hidden states come out bit-identical; Pytho
 once and only the step's record (rows, positions' RoPE factors, block tables) per step.
 
 It takes layers whose weights the native GGUF GEMM multiplies as they are (GGUF, AWQ and GPTQ without
-desc_act: ``QuantMethod.native_blocks``), with pre-norm RMSNorms, per-head q/k norms or none, and a SiLU
+desc_act: ``QuantMethod.native_blocks``) or float32 weights with panel copies (``native_panels``), with pre-norm RMSNorms, per-head q/k norms or none, and a SiLU
 MLP, no sinks, soft-capping or MoE, on one rank, with caches of the activations' dtype. ``why_not`` names
 what keeps a model out; such a model, and any step with prefill rows, LoRA rows or more rows than the GEMM's register-tiled
 path takes, runs through Python as before.
@@ -25,6 +25,7 @@ import torch
 from kvpilot.kernels import cpu_native, gguf
 
 from .base import AttentionMetadata
+from .linear import small_batch_rows
 
 if TYPE_CHECKING:
     from .decoder import DecoderForCausalLM, DecoderLayer
@@ -37,6 +38,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 (L_IN_NORM, L_MLP_NORM, L_EPS, L_K_CACHE, L_V_CACHE, L_HEADS, L_KV_HEADS, L_HEAD_DIM, L_BLOCK_SIZE, L_SCALE,
  L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS, L_Q_NORM, L_K_NORM) = range(17)
 L_GEMMS = 18
+_PANELS = -1  # a GEMM record's segment count for float32 panels
 (S_ROWS, S_X, S_H, S_NORMED, S_QKV, S_ATTN, S_GATE_UP, S_ACT, S_CIS, S_SLOTS, S_BLOCK_TABLES, S_BT_STRIDE,
  S_CONTEXT_LENS, S_QSL, S_SEQS, S_BF16, S_THREADS, S_QK) = range(18)
 
@@ -81,9 +83,9 @@ def _layer_why_not(layer: DecoderLayer, dtype: torch.dtype, max_segments: int) -
         return "norm weights in another dtype than the activations"
     for proj in layer.projections():
         blocks = proj.quant_method.native_blocks(proj)
-        if blocks is None:
-            return f"{proj.quant_method.describe()} weights the native GGUF GEMM does not take as they are"
-        if len(blocks) > max_segments:
+        if blocks is None and proj.quant_method.native_panels(proj) is None:
+            return f"{proj.quant_method.describe()} weights neither as GGUF blocks nor as float32 panels"
+        if blocks is not None and len(blocks) > max_segments:
             return f"more than {max_segments} runs of block types in one layer"
         if proj.bias is not None and not (proj.bias.dtype is dtype and proj.bias.is_contiguous()):
             return "a bias in another dtype than the activations"
@@ -127,7 +129,9 @@ class NativeDecodeLayers:
         assert entry is not None
         self._fn, layer_slots, step_slots, self._max_segments = entry
         self.dtype = model.dtype
-        self.max_rows = gguf.NATIVE_MAX_ROWS[model.dtype]
+        # the rows up to which the Python layers take the same kernels: the GGUF GEMM's register-tiled path,
+        # the panel GEMM (float32 weights)
+        self.max_rows = min(gguf.NATIVE_MAX_ROWS[model.dtype], small_batch_rows())
         self._keep: list[torch.Tensor] = []  # every tensor a record points at, alive as long as the records
         layers = model.layers
         records = np.zeros((len(layers), layer_slots), dtype=np.int64)
@@ -155,9 +159,14 @@ class NativeDecodeLayers:
         self._step[S_BF16] = int(dtype is torch.bfloat16)
 
     def _gemm_slots(self, proj: Linear) -> list[int]:
+        bias = 0 if proj.bias is None else proj.bias.data_ptr()
         blocks = proj.quant_method.native_blocks(proj)
-        assert blocks is not None
-        slots = [0 if proj.bias is None else proj.bias.data_ptr(), len(blocks)]
+        if blocks is None:
+            panels = proj.quant_method.native_panels(proj)
+            assert panels is not None
+            self._keep.append(panels)
+            return [bias, _PANELS, panels.data_ptr(), proj.out_per_rank] + [0] * (5 * self._max_segments - 2)
+        slots = [bias, len(blocks)]
         for row, rows, qtype, data in blocks:
             if data.stride(1) != 1:
                 data = data.contiguous()

@@ -127,6 +127,11 @@ class QuantMethod(ABC):
         permuted first): a decode step's native layers (``native_decode.py``) then leave the model to Python."""
         return None
 
+    def native_panels(self, layer: Linear) -> torch.Tensor | None:  # noqa: ARG002
+        """The float32 weight's panel copy (``ops.pack_panels``) that small steps multiply, where the layer
+        keeps one; None otherwise."""
+        return None
+
     def embed(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the layer's weight, in the model dtype: the token lookup of a method that
         ``quantizes_embeddings``."""

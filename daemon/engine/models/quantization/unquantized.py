@@ -50,6 +50,9 @@ class UnquantizedLinearMethod(QuantMethod):
               residual: torch.Tensor | None) -> torch.Tensor:
         return linear(x, layer.weight, bias, layer.panels, residual)
 
+    def native_panels(self, layer: Linear) -> torch.Tensor | None:
+        return layer.panels if layer.panels is not None and layer.panels.dtype is torch.float32 else None
+
     def weight_bytes(self, layer: Linear) -> int:
         return layer.weight.numel() * layer.weight.element_size()
 
