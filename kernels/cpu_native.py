@@ -9,13 +9,14 @@ callers use the torch reference.
 
 Decode rows (one query token) and prefill chunks (several) each have their kernel; both read the paged
 cache in place. ``greedy_stats`` is the greedy sampler's one-pass argmax + logsumexp over logits;
-``silu_mul``, ``rms_norm`` and ``rope_`` are the model's float32 and bfloat16 elementwise steps and
-``store_kv`` its cache writes, one pass each; ``panel_gemm`` is the GEMM of small decode steps, over weights
+``silu_mul``, ``gelu_tanh_mul``, ``rms_norm`` and ``rope_`` are the model's float32 and bfloat16 elementwise
+steps and ``store_kv`` its cache writes, one pass each; ``panel_gemm`` is the GEMM of small decode steps, over weights
 that ``pack_panels`` laid out for streaming; ``lora_fn`` is the batched LoRA shrink/expand of a layer
 (kernels/lora.py). Attention's queries and output are float32 or bfloat16 (see ``paged_attention``); the
 cache is float32, bfloat16 or float16 (``kv_cache_dtype="float16"``: half the bytes a memory-bound decode step
 reads, widened to float32 in the kernel). The float16 entry points exist where the compiler has ``_Float16``
-(gcc >= 12 on x86); ``supports`` says which caches this build takes.
+(gcc >= 12 on x86); ``supports`` says which caches this build takes. ``csrc/decode_layers_cpu.c`` chains these
+kernels over a decode step's layers in one call (``models/native_decode.py`` binds it).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from . import reference
 from .settings import current
 
 __all__ = [
-    "available", "reset", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill", "greedy_stats",
-    "silu_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm", "panel_gemm_max_rows", "build_error",
-    "gguf_fn", "gguf_dot_path", "lora_fn",
+    "available", "reset", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill",
+    "greedy_stats", "silu_mul", "gelu_tanh_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm",
+    "panel_gemm_max_rows", "build_error", "gguf_fn", "gguf_dot_path", "lora_fn",
 ]
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,9 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
                            ("silu_mul_bf16", [p, i64, i32, i32, p, i32]),
                            ("rms_norm_f32", [p, i64, i32, i32, p, f32, p, i32]),
                            ("rms_norm_bf16", [p, i64, i32, i32, p, f32, p, i32]),
+                           ("rms_norm_bf16_f32w", [p, i64, i32, i32, p, f32, p, i32]),
+                           ("gelu_tanh_mul_f32", [p, i64, i32, i32, p, i32]),
+                           ("gelu_tanh_mul_bf16", [p, i64, i32, i32, p, i32]),
                            ("rope_f32", [p, i64, i32, i32, i32, p, i32]),
                            ("rope_bf16", [p, i64, i32, i32, i32, p, i32]),
                            ("pack_panels_f32", [p, i64, i32, i32, p, i32]),
@@ -302,16 +306,13 @@ def _elementwise_rows(t: torch.Tensor) -> str | None:
     return _ELEMENTWISE_SUFFIX.get(t.dtype)
 
 
-# silu_mul and rms_norm run twice per layer per step: their checks stay few (a few us per call is a
-# measurable share of a small decode step)
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` of a fused ``[rows, 2 * inter]`` float32 or bfloat16 gate|up projection, as a new
-    contiguous ``[rows, inter]`` tensor; None where the kernel is unavailable or the input is not such a
-    matrix."""
+# silu_mul (gelu_tanh_mul) and rms_norm run several times per layer per step: their checks stay few (a few us
+# per call is a measurable share of a small decode step)
+def _act_mul(name: str, gate_up: torch.Tensor) -> torch.Tensor | None:
     suffix = _elementwise_rows(gate_up)
     if suffix is None or gate_up.shape[1] % 2:
         return None
-    fn = _row_kernel("silu_mul_" + suffix)
+    fn = _row_kernel(name + suffix)
     if fn is None:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -321,17 +322,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of a fused ``[rows, 2 * inter]`` float32 or bfloat16 gate|up projection, as a new
+    contiguous ``[rows, inter]`` tensor; None where the kernel is unavailable or the input is not such a
+    matrix."""
+    return _act_mul("silu_mul_", gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``gelu(gate, approximate="tanh") * up`` (Gemma's GeGLU) of a fused ``[rows, 2 * inter]`` float32 or
+    bfloat16 gate|up projection, as a new contiguous ``[rows, inter]`` tensor; None where the kernel is
+    unavailable or the input is not such a matrix. bfloat16 rounds as torch's bfloat16 ops do: GELU(gate)
+    (computed in float32), then its product with up."""
+    return _act_mul("gelu_tanh_mul_", gate_up)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of each row of ``x`` [rows, dim], scaled by ``weight`` [dim]; None where the kernel is
-    unavailable or the tensors are not float32 or bfloat16 CPU rows of one dtype (use torch then)."""
+    unavailable or the tensors are not float32 or bfloat16 CPU rows with a weight of their dtype, or bfloat16
+    rows with a float32 weight (use torch then). A bfloat16 weight scales the row rounded to bfloat16, in
+    bfloat16 (HF's Llama); a float32 one scales bfloat16 rows in float32 before the one rounding (Gemma's,
+    OLMo 2's: ``rms_norm(x.float(), ..., weight).to(bfloat16)``)."""
     suffix = _elementwise_rows(x)
-    if (suffix is None or weight.dtype is not x.dtype or not weight.is_cpu or not weight.is_contiguous()
-            or weight.dim() != 1 or weight.shape[0] != x.shape[1]):
+    if (suffix is None or not weight.is_cpu or not weight.is_contiguous() or weight.dim() != 1
+            or weight.shape[0] != x.shape[1]):
         return None
+    if weight.dtype is not x.dtype:  # float32 with bfloat16 rows (Gemma's, OLMo 2's); any other mix is torch's
+        if weight.dtype is not torch.float32:
+            return None
+        suffix = "bf16_f32w"
     fn = _row_kernel("rms_norm_" + suffix)
     if fn is None:
         return None
-    out = x.new_empty(x.shape)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)  # half new_empty's cost (~0.8 us)
     if x.shape[0]:
         fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
            torch.get_num_threads())

@@ -38,7 +38,16 @@ from . import settings as _settings
 # The model's native CPU steps: each returns None (or False) where it does not apply, and the caller falls
 # back to torch.
 from .cpu_native import available as native_available
-from .cpu_native import greedy_stats, pack_panels, panel_gemm, panel_gemm_max_rows, rms_norm, rope_, silu_mul
+from .cpu_native import (
+    gelu_tanh_mul,
+    greedy_stats,
+    pack_panels,
+    panel_gemm,
+    panel_gemm_max_rows,
+    rms_norm,
+    rope_,
+    silu_mul,
+)
 from .lazy import LazyModule
 from .lora import LoRASegments, lora_shrink_expand
 from .settings import KernelSettings, current
@@ -62,6 +71,7 @@ __all__ = [
     "rms_norm",
     "rope_",
     "silu_mul",
+    "gelu_tanh_mul",
     "moe_route",
     "moe_backend_for",
     "fused_moe",

@@ -1,5 +1,5 @@
-/* The model's elementwise steps for float32 and bfloat16 on the CPU: SiLU(gate) * up, RMSNorm and RoPE (at the
- * end of this file).
+/* The model's elementwise steps for float32 and bfloat16 on the CPU: SiLU(gate) * up, GELU(gate) * up, RMSNorm
+ * and RoPE (at the end of this file).
  *
  * Why this exists: in torch each is several ops with temporaries (SiLU of a strided view, then a
  * multiply into a new tensor; RMSNorm a composite op whose fixed cost is paid 61 times per decode step).
@@ -8,12 +8,20 @@
  *
  * silu_mul: gu [rows, 2 * inter] rows gu_stride floats apart (gate = the first inter columns, up =
  *           the rest); out [rows, inter] contiguous.
+ * gelu_tanh_mul: Gemma's GeGLU, GELU(gate) * up with GELU's tanh approximation, in silu_mul's layout.
+ *           0.5 x (1 + tanh(u)) is computed as x / (1 + e^(-2u)), the same function (1 + tanh(u) =
+ *           2 / (1 + e^(-2u))), u = sqrt(2 / pi) (x + 0.044715 x^3): one exp, and no cancellation where
+ *           tanh(u) nears -1 (torch's form loses the digits of 1 + tanh(u) there, below x ~ -3, and gives 0
+ *           below x ~ -5.1; this one keeps the tiny value).
  * rms_norm: x [rows, dim] rows x_stride floats apart; out [rows, dim] contiguous;
  *           out = x / sqrt(mean(x^2) + eps) * weight; the squares are summed in float32 lanes and the
  *           lanes in float64.
  * The _bf16 variants take and give bfloat16 (uint16_t bits), compute in float32 and round as HF's bfloat16
  * modules do, op by op (round to nearest even): rms_norm rounds the normalized row, then its product with
- * the weight; silu_mul rounds SiLU(gate), then its product with up.
+ * the weight; silu_mul (gelu_tanh_mul) rounds SiLU(gate) (GELU(gate)), then its product with up, as torch's
+ * bfloat16 ops do (each computes in float32 and rounds its result).
+ * rms_norm_bf16_f32w: bfloat16 rows scaled by a float32 weight (Gemma's folded 1 + w, OLMo 2's): normalized
+ * and scaled in float32 and rounded once, as torch's rms_norm(x.float(), ..., weight).to(bfloat16) does.
  */
 #include <math.h>
 #include <stdint.h>
@@ -46,6 +54,98 @@ void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inte
     for (int r = 0; r < rows; r++) {
         const float *g = gu + (int64_t)r * gu_stride;
         silu_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
+    }
+}
+
+/* GELU's tanh form as x * sigmoid(2u): -2u = x (GELU_C1 + GELU_C2 x^2), C1 = -2 sqrt(2 / pi), C2 = C1 * 0.044715 */
+#define GELU_C1 (-1.5957691216057308f)
+#define GELU_C2 (-0.07135481627260025f)
+
+/* the exponent held at 88 as exp_avx2 holds it: -ffast-math assumes finite values, and an overflowed e^(-2u)
+ * (gate below ~ -10.4) came out of the vectorized x / (1 + inf) as NaN */
+static inline float gelu_tanh(float x) { return x / (1.0f + expf(fminf(x * (GELU_C1 + GELU_C2 * x * x), 88.0f))); }
+
+/* GeGLU's AVX-512 loops (16 lanes; the AVX2 and scalar loops take the rest of a row). Built on AVX-512 CPUs
+ * only, where the GeGLU (one exp and one division an element) is compute-bound at prefill sizes */
+#if USE_AVX2 && defined(__AVX512F__)
+#define ELEM_AVX512 1
+/* exp_avx2's e^x, 16 lanes: the same clamp, reduction and polynomial, so that both give the same bits */
+static inline __m512 exp_avx512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 e = _mm512_set1_ps(1.0f / 720.0f);
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 120.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 24.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f / 6.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(e, _mm512_castsi512_ps(bits));
+}
+
+static inline __m512 gelu_tanh_avx512(__m512 x) {
+    const __m512 t = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(GELU_C2),
+                                                      _mm512_set1_ps(GELU_C1)));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_avx512(t)));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* v rounded to bfloat16 (to nearest even): the 16 bfloat16 bits (widen_bf16_bits_x16 widens them back) */
+static inline __m256i bf16_bits_x16(__m512 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16));
+#endif
+}
+
+static inline __m512 widen_bf16_bits_x16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#else
+#define ELEM_AVX512 0
+#endif
+
+#if USE_AVX2
+static inline __m256 gelu_tanh_avx2(__m256 x) {  /* exp_avx2's clamp keeps e^(-2u) finite: no inf / inf */
+    const __m256 t = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(GELU_C2),
+                                                      _mm256_set1_ps(GELU_C1)));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_avx2(t)));
+}
+#endif
+
+static void gelu_tanh_mul_row(const float *g, const float *u, float *o, int n) {
+    int i = 0;
+#if ELEM_AVX512
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(gelu_tanh_avx512(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+#endif
+#if USE_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(gelu_tanh_avx2(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+#endif
+    for (; i < n; i++) o[i] = gelu_tanh(g[i]) * u[i];
+}
+
+void kvpilot_gelu_tanh_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out,
+                               int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+#endif
+    for (int r = 0; r < rows; r++) {
+        const float *g = gu + (int64_t)r * gu_stride;
+        gelu_tanh_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
     }
 }
 
@@ -135,6 +235,35 @@ void kvpilot_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int rows, int 
     }
 }
 
+static void gelu_tanh_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
+    int i = 0;
+#if ELEM_AVX512
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gelu = widen_bf16_bits_x16(bf16_bits_x16(gelu_tanh_avx512(load_bf16x16(g + i))));
+        _mm256_storeu_si256((__m256i *)(o + i), bf16_bits_x16(_mm512_mul_ps(gelu, load_bf16x16(u + i))));
+    }
+#endif
+#if USE_AVX2
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gelu = round_bf16x8(gelu_tanh_avx2(load_bf16x8(g + i)));
+        store_bf16x8(o + i, round_bf16x8(_mm256_mul_ps(gelu, load_bf16x8(u + i))));
+    }
+#endif
+    for (; i < n; i++) o[i] = f32_to_bf16(round_bf16(gelu_tanh(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));
+}
+
+void kvpilot_gelu_tanh_mul_bf16(const uint16_t *gu, int64_t gu_stride, int rows, int inter, uint16_t *out,
+                                int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
+#endif
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gu + (int64_t)r * gu_stride;
+        gelu_tanh_mul_row_bf16(g, g + inter, out + (int64_t)r * inter, inter);
+    }
+}
+
 static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, float eps, uint16_t *o, int n) {
     float row[n];  /* the row widened once (exact); a hidden size of floats fits any thread's stack */
     widen_bf16(row, x, n);
@@ -158,6 +287,31 @@ void kvpilot_rms_norm_bf16(const uint16_t *x, int64_t x_stride, int rows, int di
 #endif
     for (int r = 0; r < rows; r++)
         rms_norm_row_bf16(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
+}
+
+/* bfloat16 rows, float32 weight: (x * inv) * w in float32, rounded once */
+static void rms_norm_row_bf16_f32w(const uint16_t *x, const float *w, float eps, uint16_t *o, int n) {
+    float row[n];  /* the row widened once (exact), as rms_norm_row_bf16 does */
+    widen_bf16(row, x, n);
+    const float inv = inv_rms(row, n, eps);
+    int i = 0;
+#if USE_AVX2
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (; i + 8 <= n; i += 8)
+        store_bf16x8(o + i, round_bf16x8(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(row + i), vinv),
+                                                       _mm256_loadu_ps(w + i))));
+#endif
+    for (; i < n; i++) o[i] = f32_to_bf16(row[i] * inv * w[i]);
+}
+
+void kvpilot_rms_norm_bf16_f32w(const uint16_t *x, int64_t x_stride, int rows, int dim, const float *weight,
+                                float eps, uint16_t *out, int num_threads) {
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 32)
+#endif
+    for (int r = 0; r < rows; r++)
+        rms_norm_row_bf16_f32w(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
 }
 
 /* ---- RoPE on interleaved pairs ----
