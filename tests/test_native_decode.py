@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(native_decode._entry() is None, reason="native C
 COMMON = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "intermediate_size": 512, "num_hidden_layers": 3, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
           "tie_word_embeddings": False}
+GEMMA = {**COMMON, "tie_word_embeddings": True, "sliding_window": 16, "vocab_size": len(spm_tokens("gemma")),
+         "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
 # a Q4_K_M-like mix: q|k|v and gate|up each hold runs of two block types
 MIXED = {"q_proj": 12, "k_proj": 12, "v_proj": 14, "o_proj": 6, "gate_proj": 3, "up_proj": 8, "down_proj": 2,
          "embed_tokens": 8, "lm_head": 8}
@@ -52,6 +54,13 @@ def gguf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
                                                             eos_token_id=259)),  # q/k/v biases
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, vocab_size=len(BPE_TOKENS), bos_token_id=257,
                                                             eos_token_id=259)),  # q/k norms
+        # sandwich norms (1 + w, float32 under bfloat16), GeGLU, q/k norms, sliding windows and two RoPE tables
+        "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**GEMMA, query_pre_attn_scalar=64, layer_types=[
+            "sliding_attention", "sliding_attention", "full_attention"])),
+        # attention soft-capping
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**GEMMA, query_pre_attn_scalar=64,
+                                                               attn_logit_softcapping=20.0,
+                                                               final_logit_softcapping=3.0)),
     }
     made: dict[str, Path] = {}
 
@@ -111,7 +120,7 @@ def _both_ways(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("float32", "none")],
                          ids=["gguf-float32", "gguf-bfloat16", "panels-float32"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma2"])
 def test_native_layers_match_python_bit_for_bit(arch: str, dtype: str, quantization: str | None,
                                                gguf_model: Callable[[str], Path],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,15 +142,15 @@ def test_native_layers_match_python_bit_for_bit(arch: str, dtype: str, quantizat
 
 
 def test_models_the_native_layers_leave_to_python_say_why(gguf_model: Callable[[str], Path], tmp_path: Path) -> None:
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Olmo2Config, Olmo2ForCausalLM
 
     from support.hf_parity import save_tiny
 
-    cfg = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
-                           intermediate_size=128, num_hidden_layers=2, vocab_size=256, max_position_embeddings=128)
-    save_tiny(cfg, Gemma3ForCausalLM, tmp_path, lambda n: "norm" in n)
-    gemma = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, num_kv_blocks=16)
-    assert "activation" in (NativeDecodeLayers.why_not(gemma.engine.runner.model) or "")
+    cfg = Olmo2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                      num_hidden_layers=2, vocab_size=256, max_position_embeddings=128)
+    save_tiny(cfg, Olmo2ForCausalLM, tmp_path, lambda n: "norm" in n)
+    olmo = LLM(model=str(tmp_path), dtype="float32", max_model_len=128, num_kv_blocks=16)
+    assert "q/k norms over the whole projection" in (NativeDecodeLayers.why_not(olmo.engine.runner.model) or "")
     dense = LLM(model=str(gguf_model("llama")), dtype="bfloat16", quantization="none", max_model_len=128,
                 num_kv_blocks=16)  # oneDNN's bfloat16 GEMMs
     model = dense.engine.runner.model

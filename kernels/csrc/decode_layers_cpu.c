@@ -11,12 +11,20 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 int kvpilot_gguf_gemm(int qtype, const uint8_t *w, int64_t ws, int N, int K, const void *x, int64_t xs, int M,
                       const void *bias, const void *res, int64_t rs, void *y, int64_t ys, int bf16, int num_threads);
 void kvpilot_rms_norm_f32(const float *x, int64_t x_stride, int rows, int dim, const float *weight, float eps,
                           float *out, int num_threads);
 void kvpilot_rms_norm_bf16(const uint16_t *x, int64_t x_stride, int rows, int dim, const uint16_t *weight,
                            float eps, uint16_t *out, int num_threads);
+void kvpilot_rms_norm_bf16_f32w(const uint16_t *x, int64_t x_stride, int rows, int dim, const float *weight,
+                                float eps, uint16_t *out, int num_threads);
+void kvpilot_gelu_tanh_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out,
+                               int num_threads);
+void kvpilot_gelu_tanh_mul_bf16(const uint16_t *gu, int64_t gu_stride, int rows, int inter, uint16_t *out,
+                                int num_threads);
 void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out, int num_threads);
 void kvpilot_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int rows, int inter, uint16_t *out,
                            int num_threads);
@@ -48,8 +56,13 @@ int kvpilot_paged_decode_bf16kv(const void *q, int64_t q_row_stride, const uint1
  * weight's panels (kvpilot_pack_panels_f32) are one segment of count PANELS: (panels, output rows). */
 enum {
     L_IN_NORM, L_MLP_NORM, L_EPS, L_K_CACHE, L_V_CACHE, L_HEADS, L_KV_HEADS, L_HEAD_DIM, L_BLOCK_SIZE, L_SCALE,
-    L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS, L_Q_NORM, L_K_NORM, /* per-head q/k norms (Qwen3), 0: none */
-    L_GEMMS = 18,
+    L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS,
+    L_Q_NORM, L_K_NORM,                /* per-head q/k norms (Qwen3, Gemma 3), 0: none */
+    L_POST_ATTN_NORM, L_POST_MLP_NORM, /* Gemma's sandwich: norms of the attention's and the MLP's outputs */
+    L_NORM_F32, /* 1: float32 norm weights under bfloat16 rows (Gemma's, scaled before the rounding) */
+    L_GELU,     /* 1: GeGLU with tanh GELU (Gemma), 0: SwiGLU */
+    L_SOFT_CAP, /* attention logits' tanh soft-cap (Gemma 2), 0: none */
+    L_GEMMS = 24,
 };
 enum { MAX_SEGMENTS = 4, GEMM_SLOTS = 2 + 5 * MAX_SEGMENTS, PANELS = -1 };
 enum { G_QKV, G_O, G_GATE_UP, G_DOWN, LAYER_SLOTS = L_GEMMS + 4 * GEMM_SLOTS };
@@ -95,13 +108,33 @@ static int gemm(const int64_t *g, const char *x, int64_t xs, int M, int K, const
     return 0;
 }
 
-/* out [rows, dim] (contiguous) = RMSNorm of x's rows (xs elements apart) scaled by w */
+/* out [rows, dim] (contiguous) = RMSNorm of x's rows (xs elements apart) scaled by w: bf16 rows with bf16
+ * weights (f32w 0) or float32 ones (f32w 1), or float32 rows */
 static void rms_norm(const char *x, int64_t xs, int rows, int dim, const int64_t w, float eps, char *out, int bf16,
-                     int nt) {
-    if (bf16)
+                     int f32w, int nt) {
+    if (bf16 && f32w)
+        kvpilot_rms_norm_bf16_f32w((const uint16_t *)x, xs, rows, dim, PTR(w), eps, (uint16_t *)out, nt);
+    else if (bf16)
         kvpilot_rms_norm_bf16((const uint16_t *)x, xs, rows, dim, PTR(w), eps, (uint16_t *)out, nt);
     else
         kvpilot_rms_norm_f32((const float *)x, xs, rows, dim, PTR(w), eps, (float *)out, nt);
+}
+
+/* out = a + the RMSNorm of t's rows (Gemma's sandwich: the residual added after a norm; out may be t), a
+ * bfloat16 sum rounded as torch rounds it: once, from the float32 sum */
+static void add_normed(char *out, const char *a, const char *t, int M, int H, int64_t w, float eps, int bf16,
+                       int f32w, char *scratch, int nt) {
+    rms_norm(t, H, M, H, w, eps, scratch, bf16, f32w, nt);
+    const int64_t n = (int64_t)M * H;
+    if (bf16) {
+        const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)scratch;
+        uint16_t *o = (uint16_t *)out;
+        for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+    } else {
+        const float *x = (const float *)a, *y = (const float *)scratch;
+        float *o = (float *)out;
+        for (int64_t i = 0; i < n; i++) o[i] = x[i] + y[i];
+    }
 }
 
 /* Runs n layers on the step's rows. Returns 0, or 1000 * (layer + 1) + what failed: 1 a GEMM's type or
@@ -117,9 +150,10 @@ int kvpilot_decode_layers(const int64_t *layers, int n, const int64_t *step) {
         const int64_t *L = layers + (int64_t)i * LAYER_SLOTS;
         const int H = (int)L[L_HIDDEN], nh = (int)L[L_HEADS], nkv = (int)L[L_KV_HEADS], hd = (int)L[L_HEAD_DIM];
         const int inter = (int)L[L_INTER], qkv_n = (nh + 2 * nkv) * hd;
-        const float eps = (float)as_double(L[L_EPS]);
+        const float eps = (float)as_double(L[L_EPS]), cap = (float)as_double(L[L_SOFT_CAP]);
+        const int f32w = (int)L[L_NORM_F32];
         int rc;
-        rms_norm(x, H, M, H, L[L_IN_NORM], eps, normed, bf16, nt);
+        rms_norm(x, H, M, H, L[L_IN_NORM], eps, normed, bf16, f32w, nt);
         if ((rc = gemm(L + L_GEMMS + G_QKV * GEMM_SLOTS, normed, H, M, H, NULL, 0, qkv, qkv_n, bf16, nt)))
             return 1000 * (i + 1) - rc;
         /* q|k rows: qkv's own, or each head RMS-normed into the q|k buffer first (as the layer's _qk_rows) */
@@ -130,9 +164,9 @@ int kvpilot_decode_layers(const int64_t *layers, int n, const int64_t *step) {
             for (int m = 0; m < M; m++) {
                 const char *row = qkv + (size_t)m * qkv_n * elem;
                 char *dst = qk + (size_t)m * qk_n * elem;
-                rms_norm(row, hd, nh, hd, L[L_Q_NORM], eps, dst, bf16, nt);
+                rms_norm(row, hd, nh, hd, L[L_Q_NORM], eps, dst, bf16, f32w, nt);
                 rms_norm(row + (size_t)nh * hd * elem, hd, nkv, hd, L[L_K_NORM], eps, dst + (size_t)nh * hd * elem,
-                         bf16, nt);
+                         bf16, f32w, nt);
             }
         }
         /* q and k heads rotated together, in place */
@@ -152,22 +186,31 @@ int kvpilot_decode_layers(const int64_t *layers, int n, const int64_t *step) {
         const int seqs = (int)step[S_SEQS], bs = (int)L[L_BLOCK_SIZE], window = (int)L[L_WINDOW];
         const float scale = (float)as_double(L[L_SCALE]);
         rc = bf16 ? kvpilot_paged_decode_bf16kv(qk, qk_n, PTR(L[L_K_CACHE]), PTR(L[L_V_CACHE]), bt, step[S_BT_STRIDE],
-                                                ctx, qsl, seqs, nh, nkv, hd, bs, scale, window, attn, nt, 1, NULL, 0.0f)
+                                                ctx, qsl, seqs, nh, nkv, hd, bs, scale, window, attn, nt, 1, NULL, cap)
                   : kvpilot_paged_decode_f32(qk, qk_n, PTR(L[L_K_CACHE]), PTR(L[L_V_CACHE]), bt, step[S_BT_STRIDE],
-                                             ctx, qsl, seqs, nh, nkv, hd, bs, scale, window, attn, nt, 0, NULL, 0.0f);
+                                             ctx, qsl, seqs, nh, nkv, hd, bs, scale, window, attn, nt, 0, NULL, cap);
         if (rc) return 1000 * (i + 1) + 100 + (rc < 0 ? -rc : rc);
-        /* h = x + o(attn), then x = h + down(silu(gate) * up) of the normed h */
-        if ((rc = gemm(L + L_GEMMS + G_O * GEMM_SLOTS, attn, nh * hd, M, nh * hd, x, H, h, H, bf16, nt)))
+        /* h = x + o(attn) (pre-norm: the GEMM adds the residual; sandwich: x + the norm of o(attn)), then
+         * x = h + down(act(gate, up)) of the normed h, its output normed the same way in a sandwich */
+        const int64_t *o_proj = L + L_GEMMS + G_O * GEMM_SLOTS, *down = L + L_GEMMS + G_DOWN * GEMM_SLOTS;
+        const int sandwich = L[L_POST_ATTN_NORM] != 0;
+        if ((rc = gemm(o_proj, attn, nh * hd, M, nh * hd, sandwich ? NULL : x, H, h, H, bf16, nt)))
             return 1000 * (i + 1) - rc;
-        rms_norm(h, H, M, H, L[L_MLP_NORM], eps, normed, bf16, nt);
+        if (sandwich) add_normed(h, x, h, M, H, L[L_POST_ATTN_NORM], eps, bf16, f32w, normed, nt);
+        rms_norm(h, H, M, H, L[L_MLP_NORM], eps, normed, bf16, f32w, nt);
         if ((rc = gemm(L + L_GEMMS + G_GATE_UP * GEMM_SLOTS, normed, H, M, H, NULL, 0, gu, 2 * inter, bf16, nt)))
             return 1000 * (i + 1) - rc;
-        if (bf16)
+        if (L[L_GELU] && bf16)
+            kvpilot_gelu_tanh_mul_bf16((const uint16_t *)gu, 2 * inter, M, inter, (uint16_t *)act, nt);
+        else if (L[L_GELU])
+            kvpilot_gelu_tanh_mul_f32((const float *)gu, 2 * inter, M, inter, (float *)act, nt);
+        else if (bf16)
             kvpilot_silu_mul_bf16((const uint16_t *)gu, 2 * inter, M, inter, (uint16_t *)act, nt);
         else
             kvpilot_silu_mul_f32((const float *)gu, 2 * inter, M, inter, (float *)act, nt);
-        if ((rc = gemm(L + L_GEMMS + G_DOWN * GEMM_SLOTS, act, inter, M, inter, h, H, x, H, bf16, nt)))
+        if ((rc = gemm(down, act, inter, M, inter, L[L_POST_MLP_NORM] ? NULL : h, H, x, H, bf16, nt)))
             return 1000 * (i + 1) - rc;
+        if (L[L_POST_MLP_NORM]) add_normed(x, h, x, M, H, L[L_POST_MLP_NORM], eps, bf16, f32w, normed, nt);
     }
     return 0;
 }

@@ -259,7 +259,10 @@ class DecoderLayer(nn.Module):
                 return act
             gate, up = gu.split(self.local_inter, dim=-1)
             return F.silu(gate) * up
-        gate, up = gu.split(self.local_inter, dim=-1)  # GeGLU (Gemma): no native kernel, torch's tanh GELU
+        act = ops.gelu_tanh_mul(gu)  # GeGLU (Gemma): the native one-pass kernel on float32/bfloat16 CPU rows
+        if act is not None:
+            return act
+        gate, up = gu.split(self.local_inter, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
 

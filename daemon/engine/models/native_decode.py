@@ -7,10 +7,11 @@ order, with its thread count, so the hidden states come out bit-identical; Pytho
 once and only the step's record (rows, positions' RoPE factors, block tables) per step.
 
 It takes layers whose weights the native GGUF GEMM multiplies as they are (GGUF, AWQ and GPTQ without
-desc_act: ``QuantMethod.native_blocks``) or float32 weights with panel copies (``native_panels``), with pre-norm RMSNorms, per-head q/k norms or none, and a SiLU
-MLP, no sinks, soft-capping or MoE, on one rank, with caches of the activations' dtype. ``why_not`` names
-what keeps a model out; such a model, and any step with prefill rows, LoRA rows or more rows than the GEMM's register-tiled
-path takes, runs through Python as before.
+desc_act: ``QuantMethod.native_blocks``) or float32 weights with panel copies (``native_panels``); pre-norm
+or sandwich RMSNorms (float32 weights under bfloat16 rows too), per-head q/k norms or none, SwiGLU or GeGLU,
+soft-capped attention; no sinks or MoE; one rank; caches of the activations' dtype. ``why_not`` names what
+keeps a model out. Such a model, and any step with prefill rows, LoRA rows, or more rows than the GEMMs'
+small-step paths take, runs through Python as before.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ __all__ = ["NativeDecodeLayers"]
 _DTYPES = (torch.float32, torch.bfloat16)
 # the C records' slots (decode_layers_cpu.c's enums)
 (L_IN_NORM, L_MLP_NORM, L_EPS, L_K_CACHE, L_V_CACHE, L_HEADS, L_KV_HEADS, L_HEAD_DIM, L_BLOCK_SIZE, L_SCALE,
- L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS, L_Q_NORM, L_K_NORM) = range(17)
-L_GEMMS = 18
+ L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS, L_Q_NORM, L_K_NORM, L_POST_ATTN_NORM, L_POST_MLP_NORM, L_NORM_F32,
+ L_GELU, L_SOFT_CAP) = range(22)
+L_GEMMS = 24
 _PANELS = -1  # a GEMM record's segment count for float32 panels
 (S_ROWS, S_X, S_H, S_NORMED, S_QKV, S_ATTN, S_GATE_UP, S_ACT, S_CIS, S_SLOTS, S_BLOCK_TABLES, S_BT_STRIDE,
  S_CONTEXT_LENS, S_QSL, S_SEQS, S_BF16, S_THREADS, S_QK) = range(18)
@@ -63,23 +65,25 @@ def _entry() -> tuple[ctypes._CFuncPtr, int, int, int] | None:
     return fn, sizes[0], sizes[1], sizes[2]
 
 
-def _norm_ok(w: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    return w is not None and w.dtype is dtype and w.is_contiguous()
+def _norms(layer: DecoderLayer) -> list[torch.Tensor]:
+    return [w for w in (layer.input_norm, layer.pre_mlp_norm, layer.post_attn_norm, layer.post_mlp_norm,
+                        layer.q_norm, layer.k_norm) if w is not None]
 
 
 def _layer_why_not(layer: DecoderLayer, dtype: torch.dtype, max_segments: int) -> str | None:
     if layer.moe is not None:
         return "a mixture-of-experts MLP"
-    if layer.sinks is not None or layer.attn_kwargs:
-        return "attention sinks or soft-capping"
-    if layer.q_norm is not None and not (layer.spec.qk_norm == "per_head" and _norm_ok(layer.q_norm, dtype)
-                                         and _norm_ok(layer.k_norm, dtype)):
-        return "q/k norms over the whole projection, or in another dtype than the activations"
-    if layer.spec.activation != "silu":
-        return f"the {layer.spec.activation} activation"
-    if layer.post_attn_norm is not None or layer.post_mlp_norm is not None:
-        return "norms after attention or the MLP"
-    if not (_norm_ok(layer.input_norm, dtype) and _norm_ok(layer.pre_mlp_norm, dtype)):
+    if layer.sinks is not None or set(layer.attn_kwargs) - {"soft_cap"}:
+        return "attention sinks"
+    if layer.q_norm is not None and layer.spec.qk_norm != "per_head":
+        return "q/k norms over the whole projection"
+    if layer.input_norm is None or layer.pre_mlp_norm is None or (layer.post_attn_norm is None) != (
+            layer.post_mlp_norm is None):
+        return "norms placed after attention or the MLP only"
+    # the norm kernels take weights of the rows' dtype, or float32 ones under bfloat16 rows (Gemma's)
+    norm_dtypes = {w.dtype for w in _norms(layer)}
+    if not all(w.is_contiguous() for w in _norms(layer)) or len(norm_dtypes) != 1 or not (
+            norm_dtypes <= {dtype} or (dtype is torch.bfloat16 and norm_dtypes == {torch.float32})):
         return "norm weights in another dtype than the activations"
     for proj in layer.projections():
         blocks = proj.quant_method.native_blocks(proj)
@@ -180,6 +184,13 @@ class NativeDecodeLayers:
         self._keep += [layer.input_norm, layer.pre_mlp_norm, kc, vc]
         rec[L_IN_NORM], rec[L_MLP_NORM] = layer.input_norm.data_ptr(), layer.pre_mlp_norm.data_ptr()
         rec[L_EPS], rec[L_SCALE] = _double_bits(layer.eps), _double_bits(layer.scale)
+        rec[L_SOFT_CAP] = _double_bits(layer.attn_kwargs.get("soft_cap") or 0.0)
+        rec[L_GELU] = int(layer.spec.activation == "gelu_tanh")
+        rec[L_NORM_F32] = int(layer.input_norm.dtype is not self.dtype)
+        if layer.post_attn_norm is not None and layer.post_mlp_norm is not None:  # Gemma's sandwich
+            self._keep += [layer.post_attn_norm, layer.post_mlp_norm]
+            rec[L_POST_ATTN_NORM] = layer.post_attn_norm.data_ptr()
+            rec[L_POST_MLP_NORM] = layer.post_mlp_norm.data_ptr()
         if layer.q_norm is not None and layer.k_norm is not None:  # per head (why_not refuses the others)
             self._keep += [layer.q_norm, layer.k_norm]
             rec[L_Q_NORM], rec[L_K_NORM] = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
