@@ -291,8 +291,13 @@ def narrower_build(request, tmp_path_factory) -> Callable[..., int]:
     openmp = [] if name == "no-openmp" else cpu_native._OPENMP_FLAGS
     lib = tmp_path_factory.mktemp(name) / "lora.so"
     src = Path(cpu_native.__file__).parent / "csrc" / "lora_cpu.c"
-    subprocess.run([CC, *cpu_native._COMPILE_FLAGS, *flags.split(), *openmp, *cpu_native._LINK_FLAGS, "-o", str(lib),
-                    str(src), "-lm"], check=True, capture_output=True, timeout=120)
+    # compiled and linked apart, as cpu_native builds: -ffast-math on a link line adds crtfastmath, which would
+    # switch this whole test process to flush subnormals to zero when the library loads
+    obj = lib.with_suffix(".o")
+    subprocess.run([CC, "-c", *cpu_native._COMPILE_FLAGS, *flags.split(), *openmp, "-o", str(obj), str(src)],
+                   check=True, capture_output=True, timeout=120)
+    subprocess.run([CC, *cpu_native._LINK_FLAGS, *openmp, "-o", str(lib), str(obj), "-lm"], check=True,
+                   capture_output=True, timeout=120)
     fn = ctypes.CDLL(str(lib)).kvpilot_lora_shrink_expand_packed
     fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int64)], ctypes.c_int
     return fn
