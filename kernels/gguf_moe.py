@@ -1,0 +1,95 @@
+"""The mixture-of-experts layer over experts held as GGUF blocks (``moe_reference.fused_moe``'s definition, with
+each expert's gate, up and down weights in their quantized blocks, as llama.cpp stores ``ffn_*_exps``).
+
+The (token, slot) pairs are sorted by expert once and their rows gathered; then, per expert with tokens, the
+GGUF GEMM (``gguf.linear``: the native CPU kernel, Triton on CUDA, the torch reference elsewhere) multiplies
+its contiguous run of rows by its gate and up blocks into the two halves of one gate|up buffer, and by its
+down blocks after the activation. The routing weights and the scatter-add are one pass each over all pairs.
+The types may differ between the three projections (a Q4_K_M file keeps down in Q6_K on some layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import gguf, gguf_reference
+from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation, check_expert_ids
+
+__all__ = ["GGUFExperts", "fused_moe_gguf"]
+
+
+@dataclass(frozen=True)
+class GGUFExperts:
+    """One layer's experts as GGUF blocks: ``gate``/``up`` ``[E, I, row_bytes(H)]`` and ``down``
+    ``[E, H, row_bytes(I)]`` uint8, each with its GGML type."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_type: int
+    up_type: int
+    down_type: int
+    hidden: int
+    inter: int
+
+    def check(self) -> None:
+        """ValueError naming the projection whose blocks do not fit ``[E, rows, row_bytes]``."""
+        e = self.gate.shape[0]
+        for name, t, qtype, rows, cols in (("gate", self.gate, self.gate_type, self.inter, self.hidden),
+                                           ("up", self.up, self.up_type, self.inter, self.hidden),
+                                           ("down", self.down, self.down_type, self.hidden, self.inter)):
+            if qtype not in gguf.GGUF_TYPES:
+                raise ValueError(f"{name} experts: GGML type {qtype} is not one the GGUF GEMM takes")
+            want = (e, rows, gguf.row_bytes(qtype, cols))
+            if t.dtype != torch.uint8 or tuple(t.shape) != want:
+                raise ValueError(f"{name} experts must be uint8 {list(want)} ({gguf_reference.GGUF_TYPES[qtype][0]} "
+                                 f"blocks), got {t.dtype} {tuple(t.shape)}")
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 [E, 2I, H], w2 [E, H, I])`` in ``dtype``: the float layer these blocks stand for."""
+        def deq(t: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+            return torch.stack([gguf.dequantize(t[e], qtype, cols, dtype) for e in range(t.shape[0])])
+
+        w13 = torch.cat([deq(self.gate, self.gate_type, self.hidden), deq(self.up, self.up_type, self.hidden)], 1)
+        return w13, deq(self.down, self.down_type, self.inter)
+
+
+def fused_moe_gguf(hidden: torch.Tensor, experts: GGUFExperts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   *, act: str = "silu", swiglu_alpha: float = GPT_OSS_ALPHA,
+                   swiglu_limit: float = GPT_OSS_LIMIT) -> torch.Tensor:
+    """``moe_reference.fused_moe(hidden, *experts.dequantized(), topk_weights, topk_ids)`` on the blocks
+    themselves: float32 products and sums per GEMM, the activation in float32 from gate|up rounded to
+    ``hidden``'s dtype, the weighted sum over the k experts in float32, rounded once."""
+    if hidden.dim() != 2 or hidden.shape[1] != experts.hidden:
+        raise ValueError(f"hidden must be [T, {experts.hidden}], got {tuple(hidden.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids/topk_weights must both be [{hidden.shape[0]}, k]; got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)}")
+    num_experts, inter = experts.gate.shape[0], experts.inter
+    check_expert_ids(topk_ids, num_experts)
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows = torch.div(order, k, rounding_mode="floor")
+    x = hidden.index_select(0, rows)  # every pair's input row, grouped by expert
+    pairs = order.numel()
+    gate_up = hidden.new_empty((pairs, 2 * inter))
+    y = hidden.new_empty((pairs, experts.hidden))
+    spans, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            spans.append((e, start, start + n))
+            start += n
+    for e, lo, hi in spans:
+        gguf.linear(x[lo:hi], experts.gate[e], experts.gate_type, out=gate_up[lo:hi, :inter])
+        gguf.linear(x[lo:hi], experts.up[e], experts.up_type, out=gate_up[lo:hi, inter:])
+    a = activation(gate_up, act, swiglu_alpha, swiglu_limit).to(hidden.dtype)
+    for e, lo, hi in spans:
+        gguf.linear(a[lo:hi], experts.down[e], experts.down_type, out=y[lo:hi])
+    weights = topk_weights.reshape(-1).float().index_select(0, order)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, rows, y.float().mul_(weights[:, None]))
+    return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
