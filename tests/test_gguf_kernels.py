@@ -269,6 +269,34 @@ def test_native_linear_rows_do_not_depend_on_the_thread_count_or_batch(qtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("qtype", SMALL_TYPES, ids=NAMES.get)
+def test_native_decode_row_on_two_threads(qtype, dtype):
+    # one x row (a decode step) on the 32-element formats: tiles of 4 weight rows (the last one partial), the rows
+    # in chunks that two threads share (each taking the other's not-started chunks): every row written once,
+    # with bias and residual, into a strided output, the same bits on one thread, and as the row of a batch
+    m, n, k = 4, 1001, 416  # about 0.2-0.4 MB of weight: two threads, many chunks; 13 blocks (Q8_0's odd tail)
+    x, w, bias, residual = make_case(qtype, m, n, k, dtype, seed=5)
+    w_f32 = gguf_reference.dequantize(w, qtype, k)
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            wide = torch.full((1, n + 5), float("nan"), dtype=dtype)
+            K.gguf_linear(x[1:2], w, qtype, bias=bias, residual=residual[1:2], out=wide[:, 2:2 + n])
+            assert wide[:, :2].isnan().all() and wide[:, 2 + n:].isnan().all()
+            got[threads] = wide[:, 2:2 + n].clone()
+            assert_linear_close(got[threads], x[1:2], w_f32, bias, residual[1:2], dtype, 1)
+            plain = K.gguf_linear(x[1:2], w, qtype)
+            assert torch.equal(plain, K.gguf_linear(x, w, qtype)[1:2])
+            assert_linear_close(plain, x[1:2], w_f32, None, None, dtype, 1)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1], got[2])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_native_linear_reads_no_uninitialized_scratch(dtype):
     # the kernels' per-call scratch (widened x, block sums) comes from malloc; heap memory freed full of NaN right
     # before makes a slot they forget to write show up as NaN or a changed result
