@@ -1,9 +1,13 @@
-"""The CPU MoE path (``moe.fused_moe_cpu``) against the torch reference (``moe_reference.fused_moe``).
+"""The CPU MoE path (``moe.fused_moe_cpu``) against the torch reference (``moe_reference.fused_moe``), over
+dense expert stacks and over stacks packed for the CPU GEMMs (``moe.PackedExperts``: panels, float32 only, and
+oneDNN-packed weights, what ``MoEBlock.prepack_experts`` makes).
 
 A Qwen3-MoE-like small layer: E=8 experts, top-2, H=1024, I=768, routed from random logits (uneven loads), at
-T=1 (decode), 16 and 256 tokens, float32 and bfloat16. Both are timed in the same process one after another,
-interleaved, median of ``--repeat`` runs each; read the ratios (reference time / CPU-path time), not the
-absolute figures (the host is shared). The CPU path's outputs are checked against the reference's first.
+T=1 (decode), 16 and 256 tokens, float32 and bfloat16. All are timed in the same process one after another,
+interleaved, median of ``--repeat`` runs each, best of 3 rounds; read the ratios (reference time / variant
+time), not the absolute figures (the host is shared). Every variant's outputs are checked against the
+reference's first. The layer's 75 MB (float32) may sit in a large last-level cache here: a model's many
+layers do not (bench/moe_model.py measures those).
 
 Usage: python bench/moe_cpu.py [--repeat 20] [--threads N]
 Writes bench/results/moe_cpu.json.
@@ -48,25 +52,38 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         w13 = (torch.randn(E, 2 * INTER, H, generator=g) / H**0.5).to(dtype)
         w2 = (torch.randn(E, H, INTER, generator=g) / INTER**0.5).to(dtype)
+        variants = {"cpu_path": (w13, w2)}
+        if dtype == torch.float32 and cpu_native.panel_gemm_max_rows():
+            variants["packed_panels"] = (moe.PackedExperts.pack(w13.clone(), panels=True),
+                                         moe.PackedExperts.pack(w2.clone(), panels=True))
+        if moe.onednn_pack_supported(dtype):
+            variants["packed_onednn"] = (moe.PackedExperts.pack(w13, panels=False),
+                                         moe.PackedExperts.pack(w2, panels=False))
         for t in TOKENS:
             x = torch.randn(t, H, generator=g).to(dtype)
             weights, ids = moe.moe_route(torch.randn(t, E, generator=g) * 2, K, renormalize=True)
             ref_out = moe_reference.fused_moe(x, w13, w2, weights, ids)
-            cpu_out = moe.fused_moe_cpu(x, w13, w2, weights, ids)
-            err = float((ref_out.float() - cpu_out.float()).abs().max())
-            ref_s, cpu_s = [], []
-            for _ in range(3):  # interleaved rounds: drift on a shared host hits both alike
-                ref_s.append(_time(lambda x=x, a=w13, b=w2, w=weights, i=ids: moe_reference.fused_moe(x, a, b, w, i),
-                                   args.repeat))
-                cpu_s.append(_time(lambda x=x, a=w13, b=w2, w=weights, i=ids: moe.fused_moe_cpu(x, a, b, w, i),
-                                   args.repeat))
-            ref_t, cpu_t = min(ref_s), min(cpu_s)
+            errs = {name: float((ref_out.float() - moe.fused_moe_cpu(x, a, b, weights, ids).float()).abs().max())
+                    for name, (a, b) in variants.items()}
+            times: dict[str, list[float]] = {"reference": [], **{name: [] for name in variants}}
+            for _ in range(3):  # interleaved rounds: drift on a shared host hits all alike
+                times["reference"].append(_time(lambda x=x, w=weights, i=ids, a=w13, b=w2: moe_reference.fused_moe(x, a, b, w, i),
+                                                args.repeat))
+                for name, (a, b) in variants.items():
+                    times[name].append(_time(lambda x=x, a=a, b=b, w=weights, i=ids: moe.fused_moe_cpu(x, a, b, w, i),
+                                             args.repeat))
+            ref_t = min(times["reference"])
             row = {"dtype": str(dtype).removeprefix("torch."), "tokens": t,
-                   "active_experts": int(ids.unique().numel()), "reference_ms": ref_t * 1e3,
-                   "cpu_path_ms": cpu_t * 1e3, "speedup": ref_t / cpu_t, "max_abs_diff": err}
+                   "active_experts": int(ids.unique().numel()), "reference_ms": ref_t * 1e3}
+            for name in variants:
+                best = min(times[name])
+                row[f"{name}_ms"] = best * 1e3
+                row[f"{name}_speedup"] = ref_t / best
+                row[f"{name}_max_abs_diff"] = errs[name]
             rows.append(row)
             print(f"{row['dtype']:>8} T={t:<4} experts={row['active_experts']} reference {ref_t * 1e3:8.3f} ms  "
-                  f"cpu path {cpu_t * 1e3:8.3f} ms  ratio {ref_t / cpu_t:5.2f}x  max|diff| {err:.2e}")
+                  + "  ".join(f"{name} {row[name + '_ms']:8.3f} ms ({row[name + '_speedup']:5.2f}x, "
+                              f"max|diff| {errs[name]:.1e})" for name in variants))
     out = {
         "shape": {"experts": E, "top_k": K, "hidden": H, "intermediate": INTER},
         "threads": torch.get_num_threads(),

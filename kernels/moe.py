@@ -23,7 +23,7 @@ import torch
 from . import cpu_native
 from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation, check_expert_ids, check_moe_args
 
-__all__ = ["SCORINGS", "moe_route", "moe_align", "fused_moe_cpu"]
+__all__ = ["SCORINGS", "PackedExperts", "moe_route", "moe_align", "fused_moe_cpu"]
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -102,10 +102,111 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return sorted_ids, expert_ids, total.to(torch.int32)
 
 
+class PackedExperts:
+    """A stack of expert weights ``[E, N, K]`` (``w13`` or ``w2``) repacked once for the CPU GEMMs the dense
+    layers use (``daemon/engine/models/linear.py``), in place of the dense stack: one copy, never two.
+
+    - ``panels`` (float32, where the native panel kernel is built): each expert's ``ops.pack_panels`` layout,
+      ``[E, N / width, K, width]``, written over the dense stack's own memory when N is a multiple of the
+      panel width. ``panel_gemm`` reads it for any row count, in runs of up to ``panel_gemm_max_rows`` rows
+      (each run streams the expert once; on AVX-512 the kernel leads oneDNN up to 512 rows and is level
+      beyond, see kernels/csrc/small_gemm_cpu.c).
+    - ``packed`` (bfloat16, or float32 without panels): one oneDNN-prepacked weight per expert (what
+      ``linear.prepack`` makes), for any row count.
+
+    Only ``fused_moe_cpu`` reads these; ``shape``/``dtype``/``dim()`` mirror the dense stack's so that the
+    argument checks and callers that read ``w13.shape[0]`` work unchanged."""
+
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, *, panels: torch.Tensor | None = None,
+                 packed: list[torch.Tensor] | None = None) -> None:
+        if (panels is None) == (packed is None):
+            raise ValueError("PackedExperts holds either panels or oneDNN-packed weights")
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.device = torch.device("cpu")
+        self.panels = panels
+        self.packed = packed
+        self._max_rows = cpu_native.panel_gemm_max_rows() if panels is not None else 0
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, *, panels: bool) -> PackedExperts:
+        """``weight [E, N, K]`` (CPU, float32 or bfloat16) repacked: panels where ``panels`` is asked for and
+        the kernel takes the weight (float32 with the native build), oneDNN-packed otherwise. With panels the
+        dense memory is overwritten when the sizes allow (the caller must not read ``weight`` afterwards)."""
+        if weight.dim() != 3 or not weight.is_cpu:
+            raise ValueError(f"expected a CPU expert stack [E, N, K], got {tuple(weight.shape)} on {weight.device}")
+        w = weight.detach()
+        e, n, k = w.shape
+        if panels and e and cpu_native.panel_gemm_max_rows() > 0:
+            first = cpu_native.pack_panels(w[0].contiguous())
+            if first is not None:
+                if w.is_contiguous() and first.numel() == n * k:  # no padding: the panels go over the dense rows
+                    out = w.view(e, *first.shape)
+                else:
+                    out = torch.empty((e, *first.shape), dtype=torch.float32)
+                out[0].copy_(first)
+                del first
+                for i in range(1, e):
+                    out[i].copy_(cpu_native.pack_panels(w[i].contiguous()))  # one expert's worth of scratch
+                return cls((e, n, k), w.dtype, panels=out)
+        return cls((e, n, k), w.dtype, packed=[_onednn_pack(w[i]) for i in range(e)])
+
+    def dim(self) -> int:
+        return 3
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the weights (for the module's buffers, so that weight counts see them)."""
+        return [self.panels] if self.panels is not None else list(self.packed or ())
+
+    def mm(self, e: int, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+        """``out = x @ W[e].T (+ bias)`` for rows ``x [M, K]`` in the weights' dtype; ``out [M, N]`` rows."""
+        n = self.shape[1]
+        if self.panels is not None:
+            p = self.panels[e]
+            if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+                bias = bias.float().contiguous()
+            step = self._max_rows
+            for lo in range(0, x.shape[0], step):
+                hi = min(lo + step, x.shape[0])
+                if cpu_native.panel_gemm(x[lo:hi], p, n, bias, out=out[lo:hi]) is None:
+                    raise RuntimeError("panel_gemm refused packed expert weights (native kernels unloaded?)")
+            return
+        assert self.packed is not None
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if bias is not None:
+            bias = bias.to(x.dtype)
+        out.copy_(torch.ops.mkldnn._linear_pointwise(x, self.packed[e], bias, "none", [], ""))  # noqa: SLF001
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    """One expert's ``[N, K]`` weight in oneDNN's layout for any row count (as ``linear.prepack``)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)  # noqa: SLF001
+
+
+def onednn_pack_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack CPU weights of ``dtype`` here (float32; bfloat16 with AVX512-BF16/AMX)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # noqa: SLF001
+    return dtype == torch.float32
+
+
+def _expert_mm(w: torch.Tensor | PackedExperts, e: int, x: torch.Tensor, bias: torch.Tensor | None,
+               out: torch.Tensor) -> None:
+    if isinstance(w, PackedExperts):
+        w.mm(e, x, None if bias is None else bias[e], out)
+    elif bias is None:
+        torch.mm(x, w[e].T, out=out)
+    else:
+        torch.addmm(bias[e].to(x.dtype), x, w[e].T, out=out)
+
+
 def fused_moe_cpu(
     hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | PackedExperts,
+    w2: torch.Tensor | PackedExperts,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -116,11 +217,13 @@ def fused_moe_cpu(
     swiglu_limit: float = GPT_OSS_LIMIT,
 ) -> torch.Tensor:
     """``moe_reference.fused_moe`` on the CPU: one sort of the pairs by expert and one gather of their rows,
-    then per expert with tokens one oneDNN GEMM per projection over its contiguous run of rows, written in
-    place; the activation (the native ``silu_mul`` where it applies), the routing weights and the scatter-add
-    are one pass each over all pairs."""
+    then per expert with tokens one GEMM per projection over its contiguous run of rows, written in place;
+    the activation (the native ``silu_mul`` where it applies), the routing weights and the scatter-add are
+    one pass each over all pairs. The weights are dense stacks (oneDNN GEMMs through ``torch.mm``) or
+    ``PackedExperts`` (``MoEBlock.prepack_experts``: panel kernels or prepacked oneDNN weights, as the dense
+    layers' GEMMs)."""
     act = activation
-    check_moe_args(hidden, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias)
+    check_moe_args(hidden, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias)  # type: ignore[arg-type]
     num_experts = w13.shape[0]
     check_expert_ids(topk_ids, num_experts)
     k = topk_ids.shape[1]
@@ -138,19 +241,13 @@ def fused_moe_cpu(
             spans.append((e, start, start + n))
             start += n
     for e, lo, hi in spans:
-        if w13_bias is None:
-            torch.mm(x[lo:hi], w13[e].T, out=gate_up[lo:hi])
-        else:
-            torch.addmm(w13_bias[e].to(hidden.dtype), x[lo:hi], w13[e].T, out=gate_up[lo:hi])
+        _expert_mm(w13, e, x[lo:hi], w13_bias, gate_up[lo:hi])
     a = cpu_native.silu_mul(gate_up) if act == "silu" else None
     if a is None:
         a = _activation(gate_up, act, swiglu_alpha, swiglu_limit).to(hidden.dtype)
     y = hidden.new_empty((pairs, hidden.shape[1]))
     for e, lo, hi in spans:
-        if w2_bias is None:
-            torch.mm(a[lo:hi], w2[e].T, out=y[lo:hi])
-        else:
-            torch.addmm(w2_bias[e].to(hidden.dtype), a[lo:hi], w2[e].T, out=y[lo:hi])
+        _expert_mm(w2, e, a[lo:hi], w2_bias, y[lo:hi])
     weights = topk_weights.reshape(-1).float().index_select(0, order)
     out = torch.zeros(hidden.shape, dtype=torch.float32)
     out.index_add_(0, rows, y.float().mul_(weights[:, None]) if y.dtype != torch.float32 else y.mul_(weights[:, None]))

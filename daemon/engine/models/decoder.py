@@ -146,6 +146,8 @@ class DecoderLayer(nn.Module):
         beside them for steps of a few rows when ``keep_panels``."""
         for proj in self.projections():
             proj.prepack(keep_panels=keep_panels)
+        if self.moe is not None:  # the routed experts (the router and shared expert are projections)
+            self.moe.prepack_experts(keep_panels=keep_panels)
 
     def forward(
         self,
@@ -603,6 +605,9 @@ class DecoderForCausalLM(nn.Module):
             raise KeyError(f"missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for proj in self._linear_layers():
             proj.process_weights_after_loading()
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.process_weights_after_loading()
 
     def wants_weight(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` is any of this rank's: False for the layers, embedding, head and

@@ -13,8 +13,11 @@ import torch
 from torch import nn
 
 from kvpilot.kernels import ops
+from kvpilot.kernels.gguf_moe import GGUFExperts, fused_moe_gguf
+from kvpilot.kernels.moe import PackedExperts, fused_moe_cpu, onednn_pack_supported
 
 from .linear import Linear
+from .moe_gguf import GGUFExpertsLoader
 from .parallel import SINGLE, ParallelContext
 from .quantization import QuantMethod, get_quant_method
 from .spec import DecoderSpec, MoESpec
@@ -49,8 +52,9 @@ class MoEBlock(nn.Module):
         super().__init__()
         assert spec.moe is not None
         moe: MoESpec = spec.moe
-        if quant_method is not None and quant_method.name != "none":
-            raise ValueError(f"{spec.arch}: quantization {quant_method.name!r} is not supported for MoE layers")
+        if quant_method is not None and quant_method.name not in ("none", "gguf"):
+            raise ValueError(f"{spec.arch}: quantization {quant_method.name!r} is not supported for the experts of "
+                             "MoE layers (GGUF blocks and float weights are)")
         self.moe, self.arch, self.parallel = moe, spec.arch, parallel
         hidden, experts = spec.hidden_size, moe.num_experts
         kw = {"dtype": dtype, "device": device}
@@ -59,10 +63,18 @@ class MoEBlock(nn.Module):
                                         **kw)
         self.inter_start, self.local_inter = parallel.shard(moe.intermediate_size, "moe_intermediate_size")
         n = self.local_inter
-        self.w13 = _param(experts, 2 * n, hidden, **kw)
-        self.w2 = _param(experts, hidden, n, **kw)
+        # a GGUF's experts stay in their blocks (or come as float stacks): built once all are in
+        self.gguf_loader = GGUFExpertsLoader(moe.block, experts, hidden, moe.intermediate_size, parallel) \
+            if quant_method is not None and quant_method.name == "gguf" else None
+        self.gguf_experts: GGUFExperts | None = None
+        self.w13: torch.Tensor | PackedExperts | None = None
+        self.w2: torch.Tensor | PackedExperts | None = None
+        if self.gguf_loader is None:
+            self.w13 = _param(experts, 2 * n, hidden, **kw)
+            self.w2 = _param(experts, hidden, n, **kw)
         self.w13_bias = _param(experts, 2 * n, **kw) if moe.expert_bias else None
         self.w2_bias = _param(experts, hidden, **kw) if moe.expert_bias else None
+        self.experts_packed = False  # see prepack_experts
         self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
         if moe.shared_expert_size:
             size = moe.shared_expert_size
@@ -75,6 +87,32 @@ class MoEBlock(nn.Module):
         return tuple(p for p in (self.router, self.shared_gate_up, self.shared_down, self.shared_expert_gate)
                      if p is not None)
 
+    def prepack_experts(self, keep_panels: bool = False) -> bool:
+        """The routed experts repacked for the CPU GEMMs the dense layers use (``kernels.moe.PackedExperts``),
+        in place of the dense stacks: with ``keep_panels`` (float32 with the native kernel) panels for every row
+        count, otherwise one oneDNN-packed weight per expert. The router and the shared expert are
+        ``projections()``, which the decoder layer packs itself. Call once, after loading (tensor-parallel
+        slices included); False where the experts stay dense (not on the CPU, a dtype oneDNN cannot pack here,
+        the torch MoE backend forced, or packed already)."""
+        if self.experts_packed or not isinstance(self.w13, torch.Tensor) or not isinstance(self.w2, torch.Tensor):
+            return False  # packed already, or experts that are not dense float stacks (GGUF blocks)
+        if self.w13.device.type != "cpu" or not ops.current().prepack_weights:
+            return False
+        probe = torch.empty(0, self.w13.shape[2], dtype=self.w13.dtype)
+        if ops.moe_backend_for(probe) != "cpu":  # the reference path reads dense stacks
+            return False
+        if not onednn_pack_supported(self.w13.dtype):
+            return False
+        want_panels = keep_panels and self.w13.dtype == torch.float32
+        for name in ("w13", "w2"):
+            packed = PackedExperts.pack(getattr(self, name), panels=want_panels)
+            del self._parameters[name]  # the packed stack replaces the dense one (panels: over its memory)
+            for i, t in enumerate(packed.tensors()):  # buffers, so that the weight counts see them
+                self.register_buffer(f"{name}_packed_{i}", t, persistent=False)
+            setattr(self, name, packed)
+        self.experts_packed = True
+        return True
+
     def row_bytes(self, element_size: int) -> int:
         """Bytes of gate|up output per token row (for the caller's row slices)."""
         return self.moe.top_k * 2 * self.local_inter * element_size
@@ -86,8 +124,14 @@ class MoEBlock(nn.Module):
                                      topk_before_softmax=moe.routing == "topk_softmax")
         # the per-expert down bias is weighted like its expert's output: one rank adds it, the sum has it once
         w2_bias = self.w2_bias if self.parallel.tp_rank == 0 else None
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, activation=moe.activation, w13_bias=self.w13_bias,
-                            w2_bias=w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+        if self.gguf_experts is not None:
+            out = fused_moe_gguf(x, self.gguf_experts, weights, ids, act=moe.activation,
+                                 swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+        else:
+            # packed experts only the CPU path reads (prepack_experts packs only where ops dispatches to it)
+            fused = fused_moe_cpu if self.experts_packed and ops.moe_backend_for(x) != "cpu" else ops.fused_moe
+            out = fused(x, self.w13, self.w2, weights, ids, activation=moe.activation, w13_bias=self.w13_bias,
+                        w2_bias=w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
         out = self.parallel.all_reduce(out)
         if self.shared_gate_up is not None:
             assert self.shared_down is not None and self.shared_expert_gate is not None
@@ -101,15 +145,32 @@ class MoEBlock(nn.Module):
         """Checkpoint names relative to the layer (``mlp.experts.0.gate_proj.weight``)."""
         moe, b = self.moe, self.moe.block
         names = {f"{b}.{moe.router}.weight"} | ({f"{b}.{moe.router}.bias"} if moe.router_bias else set())
-        if moe.fused == "gpt_oss":
+        if self.gguf_loader is not None:
+            names |= self.gguf_loader.names()
+        elif moe.fused == "gpt_oss":
             names |= {f"{b}.experts.{t}" for t in ("gate_up_proj", "down_proj")}
             if moe.expert_bias:
                 names |= {f"{b}.experts.{t}_bias" for t in ("gate_up_proj", "down_proj")}
         else:
             names |= self._per_expert_names()
-        if moe.shared_expert_size:
-            names |= {f"{b}.shared_expert.{p}.weight" for p in _SHARED} | {f"{b}.shared_expert_gate.weight"}
+        if moe.shared_expert_size and self.shared_down is not None:
+            kinds = self.shared_down.quant_method.checkpoint_names()
+            names |= {f"{b}.shared_expert.{p}.{k}" for p in _SHARED for k in kinds} | {f"{b}.shared_expert_gate.weight"}
         return names
+
+    def process_weights_after_loading(self) -> None:
+        """Once every tensor is in: a GGUF's experts built from their blocks (``GGUFExperts``), or as the float
+        stacks a file that keeps them in float holds."""
+        if self.gguf_loader is None:
+            return
+        built = self.gguf_loader.build(self.router.weight.dtype)
+        self.gguf_loader = None
+        if isinstance(built, GGUFExperts):
+            self.gguf_experts = built
+            for name in ("gate", "up", "down"):  # buffers, so that the weight counts see them
+                self.register_buffer(f"gguf_{name}_experts", getattr(built, name), persistent=False)
+        else:
+            self.w13, self.w2 = (nn.Parameter(w.to(self.router.weight.device), requires_grad=False) for w in built)
 
     def _per_expert_names(self) -> set[str]:
         b = self.moe.block
@@ -134,6 +195,8 @@ class MoEBlock(nn.Module):
                 return ()
             proj.load(kind, w, partition)
             return (name,)
+        if self.gguf_loader is not None and module.startswith("experts."):  # a GGUF's stacked blocks
+            return (name,) if self.gguf_loader.load(module.removeprefix("experts."), kind, w) else ()
         if module == "experts":  # all experts in one tensor
             return self._load_fused(kind, w)
         parts = rest.split(".")
@@ -143,8 +206,13 @@ class MoEBlock(nn.Module):
             return (name,)
         return ()
 
+    def _check_dense(self) -> None:
+        if self.experts_packed:
+            raise RuntimeError("expert weights cannot be loaded after prepack_experts")
+
     def _load_expert(self, e: int, which: int, w: torch.Tensor) -> None:
         """One expert's gate (0), up (1) or down (2) ``weight`` into the stacks: this rank's rows of it."""
+        self._check_dense()
         hidden, inter = self.w2.shape[1], self.moe.intermediate_size
         s, n = self.inter_start, self.local_inter
         if which == 2:
@@ -154,6 +222,7 @@ class MoEBlock(nn.Module):
 
     def _load_fused(self, kind: str, w: torch.Tensor) -> tuple[str, ...]:
         moe = self.moe
+        self._check_dense()
         experts, hidden, inter = moe.num_experts, self.w2.shape[1], moe.intermediate_size
         s, n = self.inter_start, self.local_inter
         if moe.fused == "gpt_oss":  # [E, in, out], gate/up interleaved: rank rows 2s.. hold pairs s..s+n
