@@ -1,8 +1,9 @@
 """Mixture-of-experts GGUFs (Mixtral as llama.cpp's "llama" with experts, Qwen2-MoE, Qwen3-MoE): a tiny random
 HF model written as llama.cpp's converter writes it (stacked ``ffn_*_exps`` experts, router ``ffn_gate_inp``,
 Qwen2-MoE's ``*_shexp`` shared expert, the expert metadata), converted by kvpilot.common.model_source and
-checked against the HF model: config, every weight, and the engine's prompt logprobs and greedy tokens, which
-it serves dequantized without being told (its MoE layers take float weights only)."""
+checked against the HF model: config, every weight, and the engine's prompt logprobs and greedy tokens on the
+GGUF's own tensors (the default for a .gguf model); and quantized experts (``kernels.gguf_moe``) against the
+same model dequantized at load."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch
 
 from kvpilot.common.gguf_weights import gguf_source
 from kvpilot.common.model_source import resolve_model_path
-from kvpilot.daemon.engine import LLM
+from kvpilot.daemon.engine import LLM, SamplingParams
+from support.gguf_blocks import quantize
 from support.gguf_files import BPE_TOKENS, spm_tokens, write_gguf
 from support.hf_parity import ATOL, max_logprob_error
 
@@ -99,7 +101,7 @@ def test_conversion_matches_hf(name: str, built: Callable[[str], tuple[Path, Any
     assert sorted(got) == sorted(want)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
-    assert gguf_source(folder) is None  # served from the float folder, not the GGUF's blocks
+    assert gguf_source(folder) == path  # served on the GGUF's own tensors
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -108,13 +110,48 @@ def test_engine_on_the_gguf_matches_hf(name: str, built: Callable[[str], tuple[P
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(6, int(hf.config.vocab_size), (n,), generator=gen).tolist() for n in (21, 13)]
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=16, max_model_len=64)  # no quantization given
-    assert llm.engine.loaded.quantization == "none"
+    assert llm.engine.loaded.quantization == "gguf"
     worst = max_logprob_error(llm, hf, prompts)
     print(f"{name}: max |logprob - HF| = {worst:.2e}")
     assert worst < ATOL
 
 
-def test_moe_gguf_refuses_its_blocks(built: Callable[[str], tuple[Path, Any]]) -> None:
-    path, _ = built("qwen3_moe")
-    with pytest.raises(ValueError, match="quantization 'gguf'"):
-        LLM(model=str(path), dtype="float32", num_kv_blocks=16, max_model_len=64, quantization="gguf")
+# experts in Q4_1 (gate and up) and Q4_0 (down), the other linear layers in Q8_0 where their widths are whole
+# 32-weight blocks (llama.cpp keeps the others in float too)
+_EXPERT_TYPES = {"experts.gate_up_proj": 3, "experts.down_proj": 2}
+
+
+def _quantized_experts(name: str, data: Any) -> tuple[Any, int] | None:
+    import numpy as np
+
+    qtype = next((t for key, t in _EXPERT_TYPES.items() if name.endswith(key)), None)
+    if qtype is None and (not name.endswith("_proj.weight") or data.shape[-1] % 32):
+        return None
+    flat = data.reshape(-1, data.shape[-1])  # each expert's rows, in blocks along the input as llama.cpp's
+    blocks = quantize(flat, qtype or 8, np.random.default_rng(0))
+    return blocks.reshape(*data.shape[:-1], -1), qtype or 8
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe"])
+def test_quantized_experts_match_the_dequantized_model(name: str, built: Callable[[str], tuple[Path, Any]],
+                                                       tmp_path: Path) -> None:
+    """Experts on their Q4_1/Q8_0/Q4_0 blocks against the same file dequantized at load (``quantization
+    none``): the same float32 weights, summed in another order."""
+    _, hf = built(name)
+    arch = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[name]
+    path = tmp_path / f"{name}-q.gguf"
+    write_gguf(path, arch, hf, _quantized_experts)
+    kw = {"dtype": "float32", "num_kv_blocks": 16, "max_model_len": 64}
+    blocks, dense = LLM(model=str(path), **kw), LLM(model=str(path), quantization="none", **kw)
+    assert blocks.engine.loaded.weight_bytes < 0.5 * dense.engine.loaded.weight_bytes
+    assert all(layer.moe.gguf_experts is not None for layer in blocks.engine.runner.model.layers)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(6, int(hf.config.vocab_size), (n,), generator=gen).tolist() for n in (21, 13, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=1, logprobs=1, ignore_eos=True)
+    got, want = (llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                 for llm in (blocks, dense))
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pa = [lp for d in a.prompt_logprobs[1:] for lp in d.values()]
+        pb = [lp for d in b.prompt_logprobs[1:] for lp in d.values()]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(pa, pb, strict=True)) < ATOL

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvpilot.daemon.engine import LLM, EngineConfig, LLMEngine
@@ -52,7 +53,8 @@ def _engine_kwargs(**kw: Any) -> dict[str, Any]:
 def _scenario(llm: LLM) -> dict[str, Any]:
     """Greedy tokens and prompt logprobs of three prompts (two sharing a prefix), one of them n=2 with a
     seed, run twice (the second pass hits the prefix cache)."""
-    prompts = [{"prompt_token_ids": p} for p in token_prompts(vocab=512)]
+    vocab = min(512, int(llm.engine.loaded.hf_config.vocab_size))
+    prompts = [{"prompt_token_ids": p} for p in token_prompts(vocab=vocab)]
     greedy = SamplingParams(temperature=0.0, max_tokens=10, prompt_logprobs=1, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=6, ignore_eos=True)
     runs = [llm.generate(prompts, [greedy, greedy, sampled], use_tqdm=False) for _ in range(2)]
@@ -144,6 +146,37 @@ def test_mixture_of_experts_at_tensor_two(tmp_path: Path, arch: str) -> None:
     """Experts split along their intermediate size, sinks and q/k norms per rank: one process's outputs."""
     folder = _moe_model(arch, tmp_path)
     _assert_same(_run(folder), _run(folder, tensor_parallel_size=2))
+
+
+def test_gguf_experts_at_tensor_two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3-MoE GGUF on its blocks: each rank takes its rows of the gate and up experts and its block-aligned
+    columns of down (64 = 2 x 32: one Q4_0 block each); one process's outputs on the same file."""
+    import numpy as np
+    import transformers as tf
+
+    from tests.support.gguf_blocks import quantize
+    from tests.support.gguf_files import BPE_TOKENS, write_gguf
+
+    def blocks(name: str, data: Any) -> tuple[Any, int] | None:
+        if not name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+            return None
+        qtype = 2 if name.endswith("down_proj") else 3  # Q4_0 down, Q4_1 the others
+        flat = quantize(data.reshape(-1, data.shape[-1]), qtype, np.random.default_rng(0))
+        return flat.reshape(*data.shape[:-1], -1), qtype
+
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tf.Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            vocab_size=len(BPE_TOKENS), max_position_embeddings=256, num_experts_per_tok=2,
+                            num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=64, num_experts=4,
+                            norm_topk_prob=True, bos_token_id=257, eos_token_id=259, pad_token_id=257,
+                            tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = tf.Qwen3MoeForCausalLM(cfg).float().eval()
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    write_gguf(path, "qwen3moe", hf, blocks)
+    single = _run(path)
+    assert single["quantization"] == "gguf"
+    _assert_same(single, _run(path, tensor_parallel_size=2))
 
 
 _CHECKPOINTS = {  # quantizer of one projection's float weight, and the checkpoint's quantization_config

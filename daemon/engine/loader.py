@@ -192,8 +192,7 @@ def resolve_quant_method(setting: str | None, hf_config: Any, gguf_file: Path | 
         stored = "gguf"
     name = _CHECKPOINT_METHODS.get(setting, setting) if setting is not None else stored or "none"
     if name == "gguf" and gguf_file is None:
-        raise ValueError("quantization 'gguf' runs .gguf models on their own blocks; this one is not one, or is a "
-                         "mixture-of-experts GGUF, whose weights run dequantized (quantization none)")
+        raise ValueError("quantization 'gguf' runs .gguf models on their own blocks; this model is not one")
     if stored not in (None, "gguf") and name != stored:
         raise ValueError(f"quantization {setting!r} does not match the checkpoint's {stored!r} weights")
     return get_quant_method(name, qc if stored not in (None, "gguf") else None)

