@@ -9,8 +9,8 @@ MoE model's active parameters per token (less the router's 8K per layer).
 
 (a) kvpilot MoE against kvpilot dense: decode step time at batch 1 and 16 (B prompts of 32 tokens; a request
     of 17 tokens less one of 1 token, over 16 steps), and throughput on the workload below. The MoE model runs
-    twice: with its experts packed for the CPU GEMMs (``MoEBlock.prepack_experts``; this script calls it where
-    the decoder does not yet) and with dense expert stacks (the path before packing). All three engines live in
+    twice: with its experts packed for the CPU GEMMs (``MoEBlock.prepack_experts``, forced: the engine packs
+    bfloat16 experts only, since float32 ones gained nothing here) and with dense expert stacks. All three engines live in
     one process and are timed in interleaved rounds (``--rounds``; the workload in the first two); the best round
     counts (a shared host only slows runs down).
 (b) kvpilot against HF transformers ``generate`` on the MoE model: the same workload, greedy, same max tokens
@@ -103,22 +103,15 @@ def kvpilot_child(models: dict[str, Any], work: list[tuple[list[int], int]], thr
 
     torch.set_num_threads(threads)
     from kvpilot.daemon.engine import LLM, SamplingParams
-    from kvpilot.daemon.engine.models import decoder as decoder_mod
     from kvpilot.daemon.engine.models.moe import MoEBlock
 
-    real_layer_prepack = decoder_mod.DecoderLayer.prepack_weights
     real_prepack_experts = MoEBlock.prepack_experts
     pack_experts = True
 
-    def layer_prepack(self: Any, keep_panels: bool = False) -> None:  # a no-op once the decoder packs experts
-        real_layer_prepack(self, keep_panels=keep_panels)
-        if self.moe is not None:
-            self.moe.prepack_experts(keep_panels=keep_panels)
+    # the decoder packs bfloat16 experts only: this float32 run packs them (or not) itself to compare both
+    def prepack_experts(self: Any, keep_panels: bool = False, **_: Any) -> bool:
+        return real_prepack_experts(self, keep_panels=keep_panels, force_float32=True) if pack_experts else False
 
-    def prepack_experts(self: Any, keep_panels: bool = False) -> bool:
-        return real_prepack_experts(self, keep_panels=keep_panels) if pack_experts else False
-
-    decoder_mod.DecoderLayer.prepack_weights = layer_prepack  # type: ignore[method-assign]
     MoEBlock.prepack_experts = prepack_experts  # type: ignore[method-assign]
 
     engines: dict[str, Any] = {}

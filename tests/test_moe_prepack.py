@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.daemon.engine import LLM
+from kvpilot.daemon.engine import LLM, SamplingParams
 from kvpilot.daemon.engine.models import decoder as decoder_mod
 from kvpilot.kernels import cpu_native, moe, moe_reference
+from kvpilot.kernels.moe import onednn_pack_supported
 from support.hf_parity import ATOL, max_logprob_error, save_tiny, token_prompts
 
 H = 64
@@ -156,13 +157,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path
 
 @pytest.fixture
 def packing_layers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Decoder layers that also pack their experts (a no-op where the decoder does so itself)."""
+    """Decoder layers that also pack float32 experts (the decoder packs bfloat16 ones only)."""
     real = decoder_mod.DecoderLayer.prepack_weights
 
     def prepack_weights(self: Any, keep_panels: bool = False) -> None:
         real(self, keep_panels=keep_panels)
         if self.moe is not None:
-            self.moe.prepack_experts(keep_panels=keep_panels)
+            self.moe.prepack_experts(keep_panels=keep_panels, force_float32=True)
 
     monkeypatch.setattr(decoder_mod.DecoderLayer, "prepack_weights", prepack_weights)
     yield
@@ -232,7 +233,7 @@ def test_tensor_parallel_slices_pack_and_sum_to_one_rank(name: str, panels: bool
         for ctx in _ranks(2):
             b = block(ctx)
             assert b.local_inter == one.local_inter // 2
-            assert b.prepack_experts(keep_panels=panels) and (b.w13.panels is not None) == panels
+            assert b.prepack_experts(keep_panels=panels, force_float32=True) and (b.w13.panels is not None) == panels
             with pytest.raises(RuntimeError, match="after prepack_experts"):
                 b.load(next(k for k in tensors if ".experts." in k), next(v for k, v in tensors.items()
                                                                          if ".experts." in k))
@@ -250,3 +251,17 @@ def moe_reference_block_output(block: Any, x: torch.Tensor) -> torch.Tensor:
     return moe_reference.fused_moe(x, block.w13, block.w2, weights, ids, activation=moe_spec.activation,
                                    w13_bias=block.w13_bias, w2_bias=block.w2_bias, swiglu_alpha=moe_spec.swiglu_alpha,
                                    swiglu_limit=moe_spec.swiglu_limit)
+
+
+def test_the_decoder_packs_bfloat16_experts_and_leaves_float32_ones_dense(tiny: Callable[[str], tuple[Path, Any]]
+                                                                        ) -> None:
+    if not onednn_pack_supported(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bfloat16 weights on this CPU")
+    folder, _ = tiny(next(iter(_configs())))
+    for dtype, packed in (("bfloat16", True), ("float32", False)):
+        llm = LLM(model=str(folder), dtype=dtype, num_kv_blocks=16, max_model_len=64)
+        blocks = [layer.moe for layer in llm.engine.runner.model.layers if layer.moe is not None]
+        assert blocks and all(b.experts_packed == packed for b in blocks)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3

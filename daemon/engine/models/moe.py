@@ -87,13 +87,13 @@ class MoEBlock(nn.Module):
         return tuple(p for p in (self.router, self.shared_gate_up, self.shared_down, self.shared_expert_gate)
                      if p is not None)
 
-    def prepack_experts(self, keep_panels: bool = False) -> bool:
+    def prepack_experts(self, keep_panels: bool = False, *, force_float32: bool = False) -> bool:
         """The routed experts repacked for the CPU GEMMs the dense layers use (``kernels.moe.PackedExperts``),
         in place of the dense stacks: with ``keep_panels`` (float32 with the native kernel) panels for every row
         count, otherwise one oneDNN-packed weight per expert. The router and the shared expert are
         ``projections()``, which the decoder layer packs itself. Call once, after loading (tensor-parallel
         slices included); False where the experts stay dense (not on the CPU, a dtype oneDNN cannot pack here,
-        the torch MoE backend forced, or packed already)."""
+        float32 unless ``force_float32``, the torch MoE backend forced, or packed already)."""
         if self.experts_packed or not isinstance(self.w13, torch.Tensor) or not isinstance(self.w2, torch.Tensor):
             return False  # packed already, or experts that are not dense float stacks (GGUF blocks)
         if self.w13.device.type != "cpu" or not ops.current().prepack_weights:
@@ -102,6 +102,10 @@ class MoEBlock(nn.Module):
         if ops.moe_backend_for(probe) != "cpu":  # the reference path reads dense stacks
             return False
         if not onednn_pack_supported(self.w13.dtype):
+            return False
+        if self.w13.dtype == torch.float32 and not force_float32:
+            # float32 experts stay dense: packed, a Qwen3-MoE-shaped model's batch-1 step took 1.10x as long and
+            # its workload 1.05x (bench/results/moe_model.json); bfloat16 layers gain 1.24-1.33x (moe_cpu.json)
             return False
         want_panels = keep_panels and self.w13.dtype == torch.float32
         for name in ("w13", "w2"):
