@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from . import gguf, gguf_reference
-from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation, check_expert_ids
+from .moe import ExpertRuns
+from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation
 
 __all__ = ["GGUFExperts", "fused_moe_gguf"]
 
@@ -67,29 +68,15 @@ def fused_moe_gguf(hidden: torch.Tensor, experts: GGUFExperts, topk_weights: tor
     if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids/topk_weights must both be [{hidden.shape[0]}, k]; got {tuple(topk_ids.shape)} "
                          f"and {tuple(topk_weights.shape)}")
-    num_experts, inter = experts.gate.shape[0], experts.inter
-    check_expert_ids(topk_ids, num_experts)
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    rows = torch.div(order, k, rounding_mode="floor")
-    x = hidden.index_select(0, rows)  # every pair's input row, grouped by expert
-    pairs = order.numel()
-    gate_up = hidden.new_empty((pairs, 2 * inter))
-    y = hidden.new_empty((pairs, experts.hidden))
-    spans, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            spans.append((e, start, start + n))
-            start += n
-    for e, lo, hi in spans:
+    inter = experts.inter
+    runs = ExpertRuns.of(topk_ids, experts.gate.shape[0])
+    x = hidden.index_select(0, runs.rows)  # every pair's input row, grouped by expert
+    gate_up = hidden.new_empty((runs.pairs, 2 * inter))
+    y = hidden.new_empty((runs.pairs, experts.hidden))
+    for e, lo, hi in runs.spans:
         gguf.linear(x[lo:hi], experts.gate[e], experts.gate_type, out=gate_up[lo:hi, :inter])
         gguf.linear(x[lo:hi], experts.up[e], experts.up_type, out=gate_up[lo:hi, inter:])
     a = activation(gate_up, act, swiglu_alpha, swiglu_limit).to(hidden.dtype)
-    for e, lo, hi in spans:
+    for e, lo, hi in runs.spans:
         gguf.linear(a[lo:hi], experts.down[e], experts.down_type, out=y[lo:hi])
-    weights = topk_weights.reshape(-1).float().index_select(0, order)
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, rows, y.float().mul_(weights[:, None]))
-    return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+    return runs.weighted_sum(y, topk_weights, hidden)

@@ -18,12 +18,14 @@ the MoE kernels multiply in float32 anyway), the ids int64 as torch.topk gives t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import cpu_native
 from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation, check_expert_ids, check_moe_args
 
-__all__ = ["SCORINGS", "PackedExperts", "moe_route", "moe_align", "fused_moe_cpu"]
+__all__ = ["SCORINGS", "ExpertRuns", "PackedExperts", "moe_route", "moe_align", "fused_moe_cpu"]
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -224,34 +226,54 @@ def fused_moe_cpu(
     layers' GEMMs)."""
     act = activation
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias)  # type: ignore[arg-type]
-    num_experts = w13.shape[0]
-    check_expert_ids(topk_ids, num_experts)
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    rows = torch.div(order, k, rounding_mode="floor")
-    x = hidden.index_select(0, rows)  # every pair's input row, grouped by expert
-    pairs, inter = order.numel(), w2.shape[2]
-    gate_up = hidden.new_empty((pairs, 2 * inter))
-    spans = []
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            spans.append((e, start, start + n))
-            start += n
-    for e, lo, hi in spans:
+    runs = ExpertRuns.of(topk_ids, w13.shape[0])
+    x = hidden.index_select(0, runs.rows)  # every pair's input row, grouped by expert
+    gate_up = hidden.new_empty((runs.pairs, 2 * w2.shape[2]))
+    for e, lo, hi in runs.spans:
         _expert_mm(w13, e, x[lo:hi], w13_bias, gate_up[lo:hi])
     a = cpu_native.silu_mul(gate_up) if act == "silu" else None
     if a is None:
         a = _activation(gate_up, act, swiglu_alpha, swiglu_limit).to(hidden.dtype)
-    y = hidden.new_empty((pairs, hidden.shape[1]))
-    for e, lo, hi in spans:
+    y = hidden.new_empty((runs.pairs, hidden.shape[1]))
+    for e, lo, hi in runs.spans:
         _expert_mm(w2, e, a[lo:hi], w2_bias, y[lo:hi])
-    weights = topk_weights.reshape(-1).float().index_select(0, order)
-    out = torch.zeros(hidden.shape, dtype=torch.float32)
-    out.index_add_(0, rows, y.float().mul_(weights[:, None]) if y.dtype != torch.float32 else y.mul_(weights[:, None]))
-    return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+    return runs.weighted_sum(y, topk_weights, hidden)
+
+
+@dataclass(frozen=True)
+class ExpertRuns:
+    """A step's (token, slot) pairs grouped by expert, as the CPU paths run them: ``order`` the pair indices
+    ``t * k + j`` sorted by expert (stable: token order within an expert), ``rows`` each sorted pair's token,
+    ``spans`` (expert, first, end) of each expert with tokens over the sorted pairs."""
+
+    order: torch.Tensor
+    rows: torch.Tensor
+    spans: list[tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, topk_ids: torch.Tensor, num_experts: int) -> ExpertRuns:
+        check_expert_ids(topk_ids, num_experts)
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts).tolist()
+        spans, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                spans.append((e, start, start + n))
+                start += n
+        return cls(order, torch.div(order, topk_ids.shape[1], rounding_mode="floor"), spans)
+
+    @property
+    def pairs(self) -> int:
+        return self.order.numel()
+
+    def weighted_sum(self, y: torch.Tensor, topk_weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Each token's sum of its experts' outputs ``y`` (``[pairs, H]`` in sorted order, overwritten) times
+        their routing weights, in float32, rounded once to ``hidden``'s dtype."""
+        weights = topk_weights.reshape(-1).float().index_select(0, self.order)
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        out.index_add_(0, self.rows, y.float().mul_(weights[:, None]))
+        return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
 
 
 _activation = activation  # fused_moe_cpu's keyword shadows the function's name inside it
