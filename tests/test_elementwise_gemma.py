@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,9 +31,9 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import cpu_native
 from kvpilot.kernels import ops as K
+from support import narrower_builds
 
-CC = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler to build the CPU kernels")
+pytestmark = pytest.mark.skipif(narrower_builds.CC is None, reason="no C compiler to build the CPU kernels")
 
 BF16 = torch.bfloat16
 EPS = 1e-6
@@ -50,42 +46,17 @@ ENTRY_POINTS = {"rms_norm_bf16_f32w": [_P, _I64, _I32, _I32, _P, _F32, _P, _I32]
                 "rms_norm_bf16": [_P, _I64, _I32, _I32, _P, _F32, _P, _I32],
                 "gelu_tanh_mul_f32": [_P, _I64, _I32, _I32, _P, _I32],
                 "gelu_tanh_mul_bf16": [_P, _I64, _I32, _I32, _P, _I32]}
-# (name, extra flags, the compiler macros they must turn off); "native": the library as built
-VARIANTS = [("native", None, ()), ("portable", "-mno-avx2 -mno-fma", ("__AVX2__", "__FMA__")),
-            ("avx2", "-mno-avx512f", ("__AVX512F__",)), ("avx512-without-bf16", "-mno-avx512bf16", ("__AVX512BF16__",)),
-            ("no-openmp", "", ())]
-
-
-def _macros(flags: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CC, "-march=native", *flags, "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
-                          text=True)
+# "native": the library as built; the others csrc/elementwise_cpu.c built alone for a narrower CPU
+VARIANTS = [("native", None, ()), *narrower_builds.VARIANTS]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[v[0] for v in VARIANTS])
 def build(request, tmp_path_factory) -> dict[str, ctypes._CFuncPtr] | None:
     """None for the library as built; else csrc/elementwise_cpu.c built alone for a narrower CPU."""
     assert cpu_native.available(), cpu_native.build_error()
-    name, flags, dropped = request.param
-    if flags is None:
+    if request.param[1] is None:
         return None
-    native = _macros([]).stdout
-    if not all(f"#define {macro} " in native for macro in dropped):
-        pytest.skip(f"the native build has no {' '.join(dropped)} to turn off: it runs the narrower paths already")
-    probe = _macros(flags.split())
-    if probe.returncode != 0:
-        pytest.skip(f"{CC} does not take {flags}")
-    assert not any(f"#define {macro} " in probe.stdout for macro in dropped)
-    openmp = [] if name == "no-openmp" else cpu_native._OPENMP_FLAGS
-    out = tmp_path_factory.mktemp(name)
-    obj, lib_path = out / "elementwise.o", out / "elementwise.so"
-    src = Path(cpu_native.__file__).parent / "csrc" / "elementwise_cpu.c"
-    # compiled and linked apart, as cpu_native builds: -ffast-math on the link line would add crtfastmath, whose
-    # load switches this whole process to flush-to-zero (torch's reference arithmetic included)
-    subprocess.run([CC, "-c", *cpu_native._COMPILE_FLAGS, *flags.split(), *openmp, "-o", str(obj), str(src)],
-                   check=True, capture_output=True, timeout=120)
-    subprocess.run([CC, *cpu_native._LINK_FLAGS, *openmp, "-o", str(lib_path), str(obj), "-lm"], check=True,
-                   capture_output=True, timeout=120)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = narrower_builds.build_alone("elementwise_cpu", request.param, tmp_path_factory.mktemp(request.param[0]))
     assert (torch.full((4,), 1e-39) * 1.0).min().item() > 0  # subnormals survive the load
     fns = {}
     for entry, argtypes in ENTRY_POINTS.items():

@@ -13,10 +13,8 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ import torch
 from kvpilot.kernels import cpu_native, lora, lora_reference
 from kvpilot.kernels import ops as K
 from kvpilot.kernels.lora import LoRASegments
+from support import narrower_builds
 from support.triton_child import run_triton_tests_in_interpreter
 
 # Triton tests run in a fresh interpreter with TRITON_INTERPRET=1 from the start (triton reads it on import)
@@ -267,38 +266,11 @@ def test_native_rows_do_not_depend_on_their_segment(dtype):
     assert_rows_do_not_depend_on_their_segment(dtype)
 
 
-# Narrower builds: (name, flags, the compiler macros the flags must turn off, empty: none). They are built from
-# csrc/lora_cpu.c alone with the library's own compile line (see the module docstring).
-VARIANTS = [("portable", "-mno-avx2 -mno-fma", ("__AVX2__", "__FMA__")), ("avx2", "-mno-avx512f", ("__AVX512F__",)),
-            ("avx512-without-bf16", "-mno-avx512bf16", ("__AVX512BF16__",)), ("no-openmp", "", ())]
-
-
-def _macros(flags: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CC, "-march=native", *flags, "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
-                          text=True)
-
-
-@pytest.fixture(scope="module", params=VARIANTS, ids=[v[0] for v in VARIANTS])
+# Narrower builds: csrc/lora_cpu.c alone with the library's own compile line (see the module docstring)
+@pytest.fixture(scope="module", params=narrower_builds.VARIANTS, ids=[v[0] for v in narrower_builds.VARIANTS])
 def narrower_build(request, tmp_path_factory) -> Callable[..., int]:
-    name, flags, dropped = request.param
-    native = _macros([]).stdout
-    if not all(f"#define {macro} " in native for macro in dropped):
-        pytest.skip(f"the native build has no {' '.join(dropped)} to turn off: it runs the narrower paths already")
-    probe = _macros(flags.split())
-    if probe.returncode != 0:
-        pytest.skip(f"{CC} does not take {flags}")
-    assert not any(f"#define {macro} " in probe.stdout for macro in dropped)
-    openmp = [] if name == "no-openmp" else cpu_native._OPENMP_FLAGS
-    lib = tmp_path_factory.mktemp(name) / "lora.so"
-    src = Path(cpu_native.__file__).parent / "csrc" / "lora_cpu.c"
-    # compiled and linked apart, as cpu_native builds: -ffast-math on a link line adds crtfastmath, which would
-    # switch this whole test process to flush subnormals to zero when the library loads
-    obj = lib.with_suffix(".o")
-    subprocess.run([CC, "-c", *cpu_native._COMPILE_FLAGS, *flags.split(), *openmp, "-o", str(obj), str(src)],
-                   check=True, capture_output=True, timeout=120)
-    subprocess.run([CC, *cpu_native._LINK_FLAGS, *openmp, "-o", str(lib), str(obj), "-lm"], check=True,
-                   capture_output=True, timeout=120)
-    fn = ctypes.CDLL(str(lib)).kvpilot_lora_shrink_expand_packed
+    lib = narrower_builds.build_alone("lora_cpu", request.param, tmp_path_factory.mktemp(request.param[0]))
+    fn = lib.kvpilot_lora_shrink_expand_packed
     fn.argtypes, fn.restype = [ctypes.POINTER(ctypes.c_int64)], ctypes.c_int
     return fn
 
