@@ -46,15 +46,27 @@ static void silu_mul_row(const float *g, const float *u, float *o, int n) {
     for (; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out, int num_threads) {
-    if (num_threads < 1) num_threads = 1;
+/* The exported row loop of a gated activation: out [rows, inter] from gate|up rows gu_stride elements apart,
+ * one row per iteration, threaded from two rows on. */
 #ifdef _OPENMP
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-#endif
-    for (int r = 0; r < rows; r++) {
-        const float *g = gu + (int64_t)r * gu_stride;
-        silu_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
+#define ACT_MUL_ROWS(T, row_fn)                                                                             \
+    if (num_threads < 1) num_threads = 1;                                                                   \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)")                     \
+    for (int r = 0; r < rows; r++) {                                                                        \
+        const T *g = gu + (int64_t)r * gu_stride;                                                           \
+        row_fn(g, g + inter, out + (int64_t)r * inter, inter);                                              \
     }
+#else
+#define ACT_MUL_ROWS(T, row_fn)                                                                             \
+    (void)num_threads;                                                                                      \
+    for (int r = 0; r < rows; r++) {                                                                        \
+        const T *g = gu + (int64_t)r * gu_stride;                                                           \
+        row_fn(g, g + inter, out + (int64_t)r * inter, inter);                                              \
+    }
+#endif
+
+void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out, int num_threads) {
+    ACT_MUL_ROWS(float, silu_mul_row)
 }
 
 /* GELU's tanh form as x * sigmoid(2u): -2u = x (GELU_C1 + GELU_C2 x^2), C1 = -2 sqrt(2 / pi), C2 = C1 * 0.044715 */
@@ -137,16 +149,8 @@ static void gelu_tanh_mul_row(const float *g, const float *u, float *o, int n) {
     for (; i < n; i++) o[i] = gelu_tanh(g[i]) * u[i];
 }
 
-void kvpilot_gelu_tanh_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out,
-                               int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-#ifdef _OPENMP
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-#endif
-    for (int r = 0; r < rows; r++) {
-        const float *g = gu + (int64_t)r * gu_stride;
-        gelu_tanh_mul_row(g, g + inter, out + (int64_t)r * inter, inter);
-    }
+void kvpilot_gelu_tanh_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out, int num_threads) {
+    ACT_MUL_ROWS(float, gelu_tanh_mul_row)
 }
 
 /* 1 / sqrt(mean(x^2) + eps): the squares summed in float32 lanes, the lanes in float64 */
@@ -225,14 +229,7 @@ static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o,
 
 void kvpilot_silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, int rows, int inter, uint16_t *out,
                            int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-#ifdef _OPENMP
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-#endif
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *g = gu + (int64_t)r * gu_stride;
-        silu_mul_row_bf16(g, g + inter, out + (int64_t)r * inter, inter);
-    }
+    ACT_MUL_ROWS(uint16_t, silu_mul_row_bf16)
 }
 
 static void gelu_tanh_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
@@ -254,14 +251,7 @@ static void gelu_tanh_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_
 
 void kvpilot_gelu_tanh_mul_bf16(const uint16_t *gu, int64_t gu_stride, int rows, int inter, uint16_t *out,
                                 int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-#ifdef _OPENMP
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
-#endif
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *g = gu + (int64_t)r * gu_stride;
-        gelu_tanh_mul_row_bf16(g, g + inter, out + (int64_t)r * inter, inter);
-    }
+    ACT_MUL_ROWS(uint16_t, gelu_tanh_mul_row_bf16)
 }
 
 static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, float eps, uint16_t *o, int n) {
