@@ -20,7 +20,7 @@ import torch
 from kvpilot.daemon.engine import LLM
 from kvpilot.daemon.engine.models import MODEL_REGISTRY
 from support import models_table
-from support.hf_parity import ATOL, WINDOW, max_logprob_error, save_tiny, token_prompts
+from support.hf_parity import ATOL, WINDOW, max_logprob_error, tiny_models, token_prompts
 
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
@@ -74,17 +74,7 @@ def _configs() -> dict[str, Callable[[], tuple[Any, type]]]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
     """name -> (saved folder, HF model), each built once per module."""
-    cache: dict[str, tuple[Path, Any]] = {}
-
-    def build(name: str) -> tuple[Path, Any]:
-        if name not in cache:
-            cfg, cls = _configs()[name]()
-            folder = tmp_path_factory.mktemp(name)
-            hf = save_tiny(cfg, cls, folder, lambda n: n.endswith(".bias") or "norm" in n)
-            cache[name] = (folder, hf)
-        return cache[name]
-
-    return build
+    return tiny_models(tmp_path_factory.mktemp, _configs, lambda n: n.endswith(".bias") or "norm" in n)
 
 
 WORST: dict[str, float] = {}

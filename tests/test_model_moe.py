@@ -18,7 +18,7 @@ import torch
 
 from kvpilot.daemon.engine import LLM
 from kvpilot.kernels import ops
-from support.hf_parity import ATOL, WINDOW, max_logprob_error, save_tiny, token_prompts
+from support.hf_parity import ATOL, WINDOW, max_logprob_error, tiny_models, token_prompts
 
 TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "initializer_range": 0.08, "pad_token_id": 0,
@@ -59,19 +59,9 @@ def _configs() -> dict[str, Callable[[], tuple[Any, type]]]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
     """name -> (saved folder, HF model), each built once per module."""
-    cache: dict[str, tuple[Path, Any]] = {}
-
-    def build(name: str) -> tuple[Path, Any]:
-        if name not in cache:
-            cfg, cls = _configs()[name]()
-            folder = tmp_path_factory.mktemp(name)
-            # routers and sinks too: HF initializes some routers to 0
-            hf = save_tiny(cfg, cls, folder, lambda n: n.endswith("bias") or "norm" in n
-                           or n.endswith(("sinks", "gate.weight", "router.weight")))
-            cache[name] = (folder, hf)
-        return cache[name]
-
-    return build
+    # routers and sinks too: HF initializes some routers to 0
+    return tiny_models(tmp_path_factory.mktemp, _configs, lambda n: n.endswith("bias") or "norm" in n
+                       or n.endswith(("sinks", "gate.weight", "router.weight")))
 
 
 def _llm(folder: Path, **kw: Any) -> LLM:

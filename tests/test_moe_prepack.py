@@ -17,7 +17,7 @@ from kvpilot.daemon.engine import LLM, SamplingParams
 from kvpilot.daemon.engine.models import decoder as decoder_mod
 from kvpilot.kernels import cpu_native, moe, moe_reference
 from kvpilot.kernels.moe import onednn_pack_supported
-from support.hf_parity import ATOL, max_logprob_error, save_tiny, token_prompts
+from support.hf_parity import ATOL, max_logprob_error, tiny_models, token_prompts
 
 H = 64
 # 2 * 96 is a multiple of the panel width (panels go over the dense memory); 2 * 40 is not (padded panels)
@@ -141,18 +141,8 @@ def _configs() -> dict[str, Callable[[], tuple[Any, type]]]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
-    cache: dict[str, tuple[Path, Any]] = {}
-
-    def build(name: str) -> tuple[Path, Any]:
-        if name not in cache:
-            cfg, cls = _configs()[name]()
-            folder = tmp_path_factory.mktemp(name)
-            hf = save_tiny(cfg, cls, folder, lambda n: n.endswith("bias") or "norm" in n
-                           or n.endswith(("sinks", "gate.weight", "router.weight")))
-            cache[name] = (folder, hf)
-        return cache[name]
-
-    return build
+    return tiny_models(tmp_path_factory.mktemp, _configs, lambda n: n.endswith("bias") or "norm" in n
+                       or n.endswith(("sinks", "gate.weight", "router.weight")))
 
 
 @pytest.fixture

@@ -41,6 +41,22 @@ def save_tiny(config: Any, model_class: type, folder: Path, perturb: Callable[[s
     return hf
 
 
+def tiny_models(root: Callable[[str], Path], configs: Callable[[], dict[str, Callable[[], tuple[Any, type]]]],
+                perturb: Callable[[str], bool]) -> Callable[[str], tuple[Path, Any]]:
+    """name -> (saved folder, HF model) of ``configs()[name]`` (an HF config and model class), each built once
+    into ``root(name)`` (a module fixture's ``tmp_path_factory.mktemp``) with ``save_tiny``."""
+    cache: dict[str, tuple[Path, Any]] = {}
+
+    def build(name: str) -> tuple[Path, Any]:
+        if name not in cache:
+            cfg, cls = configs()[name]()
+            folder = root(name)
+            cache[name] = (folder, save_tiny(cfg, cls, folder, perturb))
+        return cache[name]
+
+    return build
+
+
 def token_prompts(seed: int = 1, vocab: int = 256) -> list[list[int]]:
     """Three prompts of 50, 37 and 41 tokens; the third shares two 16-token blocks with the first, so a
     second pass hits the prefix cache."""
