@@ -47,6 +47,7 @@ def layer_skip_view(target: nn.Module, num_layers: int) -> nn.Module:
     view.layers = nn.ModuleList(list(target.layers)[:num_layers])
     view.num_layers = num_layers
     view._logits_out = None  # its own logits buffer: the target's may still be read
+    view._native_decode = None  # its own native decode records, over its own layers (native_decode.py)
     return view
 
 
