@@ -97,8 +97,8 @@ def _layer_why_not(layer: DecoderLayer, dtype: torch.dtype, max_segments: int) -
 
 
 class NativeDecodeLayers:
-    """The records of one model's layers over its bound caches, and the step call. Build it with
-    ``for_model``, which gives None where the model or this build does not allow it."""
+    """The records of one model's layers over its bound caches, and the step call. Build it only for a model
+    ``why_not`` finds nothing against (the decoder does, after every ``bind_kv_caches``)."""
 
     @staticmethod
     def why_not(model: DecoderForCausalLM) -> str | None:
@@ -123,10 +123,6 @@ class NativeDecodeLayers:
             if reason is not None:
                 return reason
         return None
-
-    @classmethod
-    def for_model(cls, model: DecoderForCausalLM) -> NativeDecodeLayers | None:
-        return None if cls.why_not(model) is not None else cls(model)
 
     def __init__(self, model: DecoderForCausalLM) -> None:
         entry = _entry()
