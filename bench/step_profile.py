@@ -123,8 +123,13 @@ def instrument(llm: LLM, timers: Timers) -> Callable[[], None]:
         reference.attend_prefill_chunks = timers.wrap("prefill_attention", reference.attend_prefill_chunks)
     runner._prepare = timers.wrap("batch_building", runner._prepare)
     runner.model.forward = timers.wrap("model_forward", runner.model.forward)
+    # the timers see the Python layers' calls: a decode step's layers in one native call (native_decode.py)
+    # would hide them, so a profile splits the Python path's step
+    native = getattr(model, "use_native_decode", False)
+    model.use_native_decode = False
 
     def restore() -> None:
+        model.use_native_decode = native
         (decoder.linear, unquantized.linear, decoder._rms_norm, decoder.ops, cpu_native.paged_decode, cpu_native.paged_prefill,
          reference.attend_prefill_chunks, runner._prepare, runner.model.forward) = saved
         del runner.model.forward, runner._prepare  # drop the instance attributes: class methods again

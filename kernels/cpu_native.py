@@ -43,7 +43,7 @@ from .settings import current
 __all__ = [
     "available", "reset", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill",
     "greedy_stats", "silu_mul", "gelu_tanh_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm",
-    "panel_gemm_max_rows", "build_error", "gguf_fn", "gguf_dot_path", "lora_fn",
+    "panel_gemm_max_rows", "build_error", "gguf_fn", "gguf_dot_path", "lora_fn", "decode_layers_entry",
 ]
 
 logger = logging.getLogger(__name__)
@@ -227,6 +227,22 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
         fn.argtypes = []
         fn.restype = i32
         _build_constants[name] = int(fn())
+
+
+def decode_layers_entry() -> tuple[Callable[..., int], int, int, int] | None:
+    """``kvpilot_decode_layers`` (csrc/decode_layers_cpu.c) and its record sizes: slots per layer, slots per
+    step, GGUF segments per GEMM; None without the library."""
+    lib = _load()
+    if lib is None or not hasattr(lib, "kvpilot_decode_layers"):
+        return None
+    fn = lib.kvpilot_decode_layers
+    fn.argtypes, fn.restype = [_P, _I32, _P], _I32
+    sizes = []
+    for name in ("decode_layer_slots", "decode_step_slots", "decode_max_segments"):
+        size = getattr(lib, "kvpilot_" + name)
+        size.argtypes, size.restype = [], _I32
+        sizes.append(int(size()))
+    return fn, sizes[0], sizes[1], sizes[2]
 
 
 def _build_constant(name: str) -> int:

@@ -75,6 +75,13 @@ __all__ = [
     "moe_route",
     "moe_backend_for",
     "fused_moe",
+    "fused_moe_cpu",
+    "PackedExperts",
+    "onednn_pack_supported",
+    "GGUFExperts",
+    "fused_moe_gguf",
+    "decode_layers_entry",
+    "GGUF_NATIVE_MAX_ROWS",
     "fp8_quantize",
     "fp8_quantize_weight",
     "fp8_dequantize",
@@ -230,7 +237,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) 
 # auto take the CPU path on CPU tensors and Triton on CUDA ones. The MoE Triton module loads on its own, so a
 # problem in the attention kernels' module does not take MoE down with it.
 from . import moe, moe_reference  # noqa: E402 - kept beside their dispatch
-from .moe import moe_route  # noqa: E402
+from .moe import PackedExperts, fused_moe_cpu, moe_route, onednn_pack_supported  # noqa: E402
 
 _MOE_TRITON = LazyModule("moe_triton")
 
@@ -278,6 +285,8 @@ def fused_moe(
 # ------------------------------------------------------------------------------- FP8 weights
 # per-channel e4m3 weights: torch._scaled_mm on CUDA (fp8 tensor cores), block-scaled ones a Triton kernel; the
 # torch reference elsewhere (kernels/fp8.py). The CPU models dequantize FP8 at load and never call these.
+# a CPU decode step's layers in one native call (models/native_decode.py writes its records)
+from .cpu_native import decode_layers_entry  # noqa: E402
 from .fp8 import block_linear as fp8_block_linear  # noqa: E402 - kept beside their dispatch
 from .fp8 import dequantize as fp8_dequantize  # noqa: E402
 from .fp8 import linear as fp8_linear  # noqa: E402
@@ -288,8 +297,10 @@ from .fp8 import quantize_weight as fp8_quantize_weight  # noqa: E402
 # blocks kept as the file has them: native CPU kernels (small M in registers, large M through dequantized tiles and
 # torch's GEMM), a Triton kernel on CUDA, the torch reference elsewhere (kernels/gguf.py)
 from .gguf import GGUF_TYPES  # noqa: E402 - kept beside their dispatch
+from .gguf import NATIVE_MAX_ROWS as GGUF_NATIVE_MAX_ROWS  # noqa: E402
 from .gguf import dequantize as gguf_dequantize  # noqa: E402
 from .gguf import embedding as gguf_embedding  # noqa: E402
 from .gguf import linear as gguf_linear  # noqa: E402
 from .gguf import row_bytes as gguf_row_bytes  # noqa: E402
 from .gguf import supported as gguf_supported  # noqa: E402
+from .gguf_moe import GGUFExperts, fused_moe_gguf  # noqa: E402 - a GGUF's MoE experts on their blocks

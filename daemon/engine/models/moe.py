@@ -13,8 +13,13 @@ import torch
 from torch import nn
 
 from kvpilot.kernels import ops
-from kvpilot.kernels.gguf_moe import GGUFExperts, fused_moe_gguf
-from kvpilot.kernels.moe import PackedExperts, fused_moe_cpu, onednn_pack_supported
+from kvpilot.kernels.ops import (
+    GGUFExperts,
+    PackedExperts,
+    fused_moe_cpu,
+    fused_moe_gguf,
+    onednn_pack_supported,
+)
 
 from .linear import Linear
 from .moe_gguf import GGUFExpertsLoader

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.kernels import gguf
-from kvpilot.kernels.gguf_moe import GGUFExperts
+from kvpilot.kernels import ops
+from kvpilot.kernels.ops import GGUFExperts
 
 from .parallel import ParallelContext
 
@@ -42,7 +42,7 @@ class GGUFExpertsLoader:
             return False
         if kind == "qweight_type":
             qtype = int(w.reshape(-1)[0])
-            if qtype not in _FLOAT_TYPES and qtype not in gguf.GGUF_TYPES:
+            if qtype not in _FLOAT_TYPES and qtype not in ops.GGUF_TYPES:
                 raise RuntimeError(f"GGML type {qtype} is not one kvpilot reads")
             self.types[proj] = qtype
             return True
@@ -50,7 +50,7 @@ class GGUFExpertsLoader:
             raise RuntimeError("qweight came without its qweight_type")
         rows, cols = (self.hidden, self.inter) if proj == "down_proj" else (self.inter, self.hidden)
         qtype = self.types[proj]
-        row_bytes = cols * _FLOAT_TYPES[qtype].itemsize if qtype in _FLOAT_TYPES else gguf.row_bytes(qtype, cols)
+        row_bytes = cols * _FLOAT_TYPES[qtype].itemsize if qtype in _FLOAT_TYPES else ops.gguf_row_bytes(qtype, cols)
         if w.dtype != torch.uint8 or tuple(w.shape) != (self.num_experts, rows, row_bytes):
             raise RuntimeError(f"qweight {tuple(w.shape)} {w.dtype} is not [{self.num_experts}, {rows}, {row_bytes}] "
                                f"uint8 (experts of {cols} columns)")
@@ -64,7 +64,7 @@ class GGUFExpertsLoader:
             return w.contiguous()
         if proj != "down_proj":
             return w[:, self.start:self.start + self.size].contiguous()
-        elems, nbytes = (1, _FLOAT_TYPES[qtype].itemsize) if qtype in _FLOAT_TYPES else gguf.GGUF_TYPES[qtype][1:]
+        elems, nbytes = (1, _FLOAT_TYPES[qtype].itemsize) if qtype in _FLOAT_TYPES else ops.GGUF_TYPES[qtype][1:]
         if self.start % elems or self.size % elems:
             raise ValueError(f"moe_intermediate_size {self.inter} splits over the tensor-parallel ranks into "
                              f"columns {self.start}+{self.size}, which cut through the down experts' blocks of "

@@ -16,14 +16,14 @@ small-step paths take, runs through Python as before.
 
 from __future__ import annotations
 
-import ctypes
 import struct
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kvpilot.kernels import cpu_native, gguf
+from kvpilot.kernels import ops
 
 from .base import AttentionMetadata
 from .linear import small_batch_rows
@@ -49,20 +49,9 @@ def _double_bits(v: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(v)))[0]
 
 
-def _entry() -> tuple[ctypes._CFuncPtr, int, int, int] | None:
+def _entry() -> tuple[Callable[..., int], int, int, int] | None:
     """The C entry point and its record sizes (layer slots, step slots, segments per GEMM)."""
-    lib = cpu_native._load()  # noqa: SLF001 - the same library as every other native kernel
-    if lib is None or not hasattr(lib, "kvpilot_decode_layers"):
-        return None
-    fn = lib.kvpilot_decode_layers
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    sizes = []
-    for name in ("kvpilot_decode_layer_slots", "kvpilot_decode_step_slots", "kvpilot_decode_max_segments"):
-        size = getattr(lib, name)
-        size.argtypes, size.restype = [], ctypes.c_int
-        sizes.append(int(size()))
-    return fn, sizes[0], sizes[1], sizes[2]
+    return ops.decode_layers_entry()
 
 
 def _norms(layer: DecoderLayer) -> list[torch.Tensor]:
@@ -131,7 +120,7 @@ class NativeDecodeLayers:
         self.dtype = model.dtype
         # the rows up to which the Python layers take the same kernels: the GGUF GEMM's register-tiled path,
         # the panel GEMM (float32 weights)
-        self.max_rows = min(gguf.NATIVE_MAX_ROWS[model.dtype], small_batch_rows())
+        self.max_rows = min(ops.GGUF_NATIVE_MAX_ROWS[model.dtype], small_batch_rows())
         self._keep: list[torch.Tensor] = []  # every tensor a record points at, alive as long as the records
         layers = model.layers
         records = np.zeros((len(layers), layer_slots), dtype=np.int64)
