@@ -8,6 +8,9 @@ sequence from position 0, and 2048 as 8 prompts of 256, the engine's usual mix).
 zeros: attention cost does not depend on the values. Sampler (greedy) and scheduler + KV
 bookkeeping are timed separately at the same batch size.
 
+Decode steps run their layers through Python while profiled: the native decode loop (models/native_decode.py,
+the engine's path for decode steps of up to 20 float32 / 8 bfloat16 rows) is one call the timers cannot split.
+
 "rope/silu/residual/misc" is the model forward minus its timed parts: RoPE, SiLU*up, the residual
 adds, the embedding lookup and view/reshape glue. "runner python" is ``execute`` minus the model and
 batch building. GFLOP/s counts 2*m*n*k per GEMM.
