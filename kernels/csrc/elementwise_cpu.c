@@ -182,14 +182,22 @@ static void rms_norm_row(const float *x, const float *w, float eps, float *o, in
     for (; i < n; i++) o[i] = x[i] * inv * w[i];
 }
 
+/* The exported row loop of an RMSNorm: each row of x (x_stride elements apart) into out's contiguous rows;
+ * a row is dim values, so below ~32 rows a thread team costs more than it saves. */
+#ifdef _OPENMP
+#define RMS_NORM_ROWS(row_fn)                                                                               \
+    if (num_threads < 1) num_threads = 1;                                                                   \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows >= 32)")                   \
+    for (int r = 0; r < rows; r++) row_fn(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
+#else
+#define RMS_NORM_ROWS(row_fn)                                                                               \
+    (void)num_threads;                                                                                      \
+    for (int r = 0; r < rows; r++) row_fn(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
+#endif
+
 void kvpilot_rms_norm_f32(const float *x, int64_t x_stride, int rows, int dim, const float *weight, float eps,
                           float *out, int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-#ifdef _OPENMP
-    /* a row is dim floats: below ~32 rows the team costs more than it saves */
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 32)
-#endif
-    for (int r = 0; r < rows; r++) rms_norm_row(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
+    RMS_NORM_ROWS(rms_norm_row)
 }
 
 /* ---- bfloat16 rows ---- */
@@ -271,12 +279,7 @@ static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *w, float eps, u
 
 void kvpilot_rms_norm_bf16(const uint16_t *x, int64_t x_stride, int rows, int dim, const uint16_t *weight,
                            float eps, uint16_t *out, int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-#ifdef _OPENMP
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 32)
-#endif
-    for (int r = 0; r < rows; r++)
-        rms_norm_row_bf16(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
+    RMS_NORM_ROWS(rms_norm_row_bf16)
 }
 
 /* bfloat16 rows, float32 weight: (x * inv) * w in float32, rounded once */
@@ -296,12 +299,7 @@ static void rms_norm_row_bf16_f32w(const uint16_t *x, const float *w, float eps,
 
 void kvpilot_rms_norm_bf16_f32w(const uint16_t *x, int64_t x_stride, int rows, int dim, const float *weight,
                                 float eps, uint16_t *out, int num_threads) {
-    if (num_threads < 1) num_threads = 1;
-#ifdef _OPENMP
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 32)
-#endif
-    for (int r = 0; r < rows; r++)
-        rms_norm_row_bf16_f32w(x + (int64_t)r * x_stride, weight, eps, out + (int64_t)r * dim, dim);
+    RMS_NORM_ROWS(rms_norm_row_bf16_f32w)
 }
 
 /* ---- RoPE on interleaved pairs ----
