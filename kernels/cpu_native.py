@@ -43,7 +43,7 @@ from .settings import current
 __all__ = [
     "available", "reset", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill",
     "greedy_stats", "silu_mul", "gelu_tanh_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm",
-    "panel_gemm_max_rows", "build_error", "gguf_fn", "gguf_dot_path", "lora_fn", "decode_layers_entry",
+    "panel_gemm_max_rows", "moe_panels", "moe_route", "build_error", "gguf_fn", "gguf_dot_path", "lora_fn", "decode_layers_entry",
 ]
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = tuple(_CSRC / name for name in ("paged_decode_cpu.c", "paged_prefill_cpu.c", "greedy_cpu.c",
                                             "elementwise_cpu.c", "store_kv_cpu.c", "small_gemm_cpu.c",
-                                            "gguf_gemm_cpu.c", "lora_cpu.c", "decode_layers_cpu.c"))
+                                            "gguf_gemm_cpu.c", "lora_cpu.c", "decode_layers_cpu.c", "moe_cpu.c"))
 # -ffast-math lets gcc vectorize the dot-product reductions and call glibc's vector expf. It is given to the
 # compile step only: on a link line it adds crtfastmath, which sets flush-to-zero/denormals-are-zero for the
 # whole process at load time and so changes every other float computation in it (torch's, Python's).
@@ -206,7 +206,8 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
                            ("rope_f32", [p, i64, i32, i32, i32, p, i32]),
                            ("rope_bf16", [p, i64, i32, i32, i32, p, i32]),
                            ("pack_panels_f32", [p, i64, i32, i32, p, i32]),
-                           ("panel_gemm_f32", [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32])):
+                           ("panel_gemm_f32", [p, i64, p, p, p, i64, p, i64, i32, i32, i32, i32]),
+                           ("moe_route_f32", [p, i64, i32, i32, i32, i32, i32, p, p])):
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = argtypes
         fn.restype = None
@@ -216,7 +217,8 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
     # the batched LoRA (kernels/lora.py calls it through lora_fn), packed the same way
     for name, argtypes in (("gguf_dequant", [i32, p, i64, i32, i32, p, i64, i32, i32]),
                            ("gguf_gemm_packed", [ctypes.POINTER(ctypes.c_int64)]),
-                           ("lora_shrink_expand_packed", [ctypes.POINTER(ctypes.c_int64)])):
+                           ("lora_shrink_expand_packed", [ctypes.POINTER(ctypes.c_int64)]),
+                           ("moe_panels_f32", [p, i64, i32, i32, i32, i32, i32, p, p, p, p, p, p, p, i64, i32])):
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = argtypes
         fn.restype = i32
@@ -437,6 +439,70 @@ def panel_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor
         fn(x.data_ptr(), x.stride(0), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
            0 if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
            out.data_ptr(), out.stride(0), x.shape[0], n, x.shape[1], torch.get_num_threads())
+    return out
+
+
+_MOE_SCRATCH_BYTES = 64 << 20
+
+
+def moe_route(logits: torch.Tensor, top_k: int, *, renormalize: bool = False,
+              topk_before_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``kernels.moe.moe_route`` with softmax scoring and no correction bias, natively (csrc/moe_cpu.c): the
+    routing of the layers that ``moe_panels`` runs, which the native decode loop repeats bit for bit. Float32 CPU
+    ``logits [T, E]`` (rows contiguous); ``(weights float32 [T, k], ids int64 [T, k])``, or None where the
+    kernel is unavailable or the logits are not such rows."""
+    if not _rows_f32(logits) or not 1 <= top_k <= logits.shape[1]:
+        return None
+    fn = _row_kernel("moe_route_f32")
+    if fn is None:
+        return None
+    t, e = logits.shape
+    ids = torch.empty((t, top_k), dtype=torch.int64)
+    weights = torch.empty((t, top_k), dtype=torch.float32)
+    if t:
+        fn(logits.data_ptr(), logits.stride(0), t, e, top_k, int(topk_before_softmax), int(renormalize),
+           ids.data_ptr(), weights.data_ptr())
+    return weights, ids
+
+
+def moe_panels(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, inter: int, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor, w13_bias: torch.Tensor | None = None,
+               w2_bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A MoE layer's routed experts with SiLU-gated MLPs in one native call (csrc/moe_cpu.c): float32 CPU rows
+    ``x [T, H]``, ``w13 [E, ceil(2I / width), H, width]`` and ``w2 [E, ceil(H / width), I, width]`` (each
+    expert's gate|up ``[2I, H]`` and down ``[H, I]`` weight through ``pack_panels``), ``topk_ids [T, k]`` and
+    float32 ``topk_weights [T, k]``, float32 biases ``[E, 2I]`` / ``[E, H]`` or None. Returns float32 ``[T, H]``;
+    None where the kernel is unavailable or the tensors do not fit together (the caller takes the torch path,
+    which also reports bad input). An expert id outside ``[0, E)`` raises ``ValueError``."""
+    width = _panel_width()
+    if not _rows_f32(x) or width == 0 or w13.dim() != 4 or w2.dim() != 4:
+        return None
+    t, h = x.shape
+    e, k = w13.shape[0], topk_ids.shape[-1] if topk_ids.dim() == 2 else 0
+    fits = (w13.shape == (e, -(-2 * inter // width), h, width) and w2.shape == (e, -(-h // width), inter, width)
+            and all(w.is_cpu and w.dtype is torch.float32 and w.is_contiguous() for w in (w13, w2))
+            and topk_ids.shape == (t, k) and topk_weights.shape == (t, k) and k > 0
+            and topk_ids.dtype is torch.int64 and topk_weights.dtype is torch.float32
+            and topk_ids.is_contiguous() and topk_weights.is_contiguous()
+            and all(b is None or (b.is_cpu and b.dtype is torch.float32 and b.is_contiguous() and b.shape == shape)
+                    for b, shape in ((w13_bias, (e, 2 * inter)), (w2_bias, (e, h)))))
+    fn = _row_kernel("moe_panels_f32") if fits else None
+    if fn is None:
+        return None
+    if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < e:
+        raise ValueError(f"topk_ids holds expert ids outside [0, {e})")
+    out = x.new_empty((t, h))
+    # the kernel keeps its scratch rows between calls (csrc/moe_cpu.c): tokens go in chunks that hold it to 64 MB
+    chunk = max(1, _MOE_SCRATCH_BYTES // (k * 4 * (h + 2 * inter + inter + 32)))
+    threads = torch.get_num_threads()
+    for lo in range(0, t, chunk):
+        hi = min(t, lo + chunk)
+        status = fn(x[lo].data_ptr(), x.stride(0), hi - lo, h, inter, e, k, topk_ids[lo].data_ptr(),
+                    topk_weights[lo].data_ptr(), w13.data_ptr(), 0 if w13_bias is None else w13_bias.data_ptr(),
+                    w2.data_ptr(), 0 if w2_bias is None else w2_bias.data_ptr(), out[lo].data_ptr(), out.stride(0),
+                    threads)
+        if status != 0:
+            raise MemoryError("the native MoE kernel could not allocate its scratch rows")
     return out
 
 

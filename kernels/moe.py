@@ -226,6 +226,12 @@ def fused_moe_cpu(
     layers' GEMMs)."""
     act = activation
     check_moe_args(hidden, w13, w2, topk_weights, topk_ids, act, w13_bias, w2_bias)  # type: ignore[arg-type]
+    if (act == "silu" and isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts)
+            and w13.panels is not None and w2.panels is not None):
+        out = cpu_native.moe_panels(hidden, w13.panels, w2.panels, w2.shape[2], topk_ids.long().contiguous(),
+                                    topk_weights.float().contiguous(), w13_bias, w2_bias)
+        if out is not None:
+            return out
     runs = ExpertRuns.of(topk_ids, w13.shape[0])
     x = hidden.index_select(0, runs.rows)  # every pair's input row, grouped by expert
     gate_up = hidden.new_empty((runs.pairs, 2 * w2.shape[2]))

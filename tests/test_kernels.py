@@ -722,7 +722,7 @@ def test_narrower_builds_pass_the_kernel_tests(tmp_path, flags, dropped):
     # CPUs without AVX2/FMA run the kernels' plain C loops, AVX2-only CPUs their AVX2 paths, and AVX-512 CPUs
     # without bfloat16 dot products a bfloat16 model's attention in float32, where this machine may have more:
     # build the library with those extensions off into a fresh cache and run every native-kernel test against
-    # it, this file's, the attention features' (soft-cap, sinks) and the GGUF kernels' in one child
+    # it, this file's, the attention features' (soft-cap, sinks), the GGUF and the MoE kernels' in one child
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     native = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
                             text=True)
@@ -736,7 +736,8 @@ def test_narrower_builds_pass_the_kernel_tests(tmp_path, flags, dropped):
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          str(Path(__file__).with_name("test_attention_features.py")),
-         str(Path(__file__).with_name("test_gguf_kernels.py")), "-k", "native and not narrower"],
+         str(Path(__file__).with_name("test_gguf_kernels.py")), str(Path(__file__).with_name("test_moe_native.py")),
+         "-k", "native and not narrower"],
         capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent,
         env=dict(os.environ, KVPILOT_CACHE_DIR=str(tmp_path), KVPILOT_TEST_CPU_KERNEL_CFLAGS=flags),
     )

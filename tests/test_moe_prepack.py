@@ -243,15 +243,25 @@ def moe_reference_block_output(block: Any, x: torch.Tensor) -> torch.Tensor:
                                    swiglu_limit=moe_spec.swiglu_limit)
 
 
-def test_the_decoder_packs_bfloat16_experts_and_leaves_float32_ones_dense(tiny: Callable[[str], tuple[Path, Any]]
-                                                                        ) -> None:
-    if not onednn_pack_supported(torch.bfloat16):
+@pytest.mark.parametrize(("name", "dtype", "small_batch_gemm", "layout"), [
+    ("mixtral", "bfloat16", None, "onednn"),
+    ("mixtral", "float32", None, "panels"),  # SiLU experts: the native MoE kernel's panels
+    ("qwen3_moe", "float32", None, "panels"),
+    ("mixtral", "float32", False, "dense"),  # the panel kernels turned off
+    ("gpt_oss", "float32", None, "dense"),  # a clamped SwiGLU: the torch path over dense stacks
+])
+def test_the_decoder_packs_experts_where_a_kernel_gains(name: str, dtype: str, small_batch_gemm: bool | None,
+                                                        layout: str, tiny: Callable[[str], tuple[Path, Any]]) -> None:
+    if layout == "onednn" and not onednn_pack_supported(torch.bfloat16):
         pytest.skip("oneDNN cannot pack bfloat16 weights on this CPU")
-    folder, _ = tiny(next(iter(_configs())))
-    for dtype, packed in (("bfloat16", True), ("float32", False)):
-        llm = LLM(model=str(folder), dtype=dtype, num_kv_blocks=16, max_model_len=64)
-        blocks = [layer.moe for layer in llm.engine.runner.model.layers if layer.moe is not None]
-        assert blocks and all(b.experts_packed == packed for b in blocks)
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3),
-                           use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 3
+    if layout == "panels" and cpu_native.panel_gemm_max_rows() == 0:
+        pytest.skip("native panel kernel not built")
+    folder, _ = tiny(name)
+    llm = LLM(model=str(folder), dtype=dtype, num_kv_blocks=16, max_model_len=64, small_batch_gemm=small_batch_gemm)
+    blocks = [layer.moe for layer in llm.engine.runner.model.layers if layer.moe is not None]
+    assert blocks and all(b.experts_packed == (layout != "dense") for b in blocks)
+    if layout != "dense":
+        assert all((b.w13.panels is not None) == (layout == "panels") for b in blocks)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -159,3 +159,68 @@ def test_models_the_native_layers_leave_to_python_say_why(gguf_model: Callable[[
                          use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert model._native_decode is False  # noqa: SLF001 - decided once, not per step
+
+
+MOE_COMMON = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False}
+
+
+def _moe_configs() -> dict[str, Callable[[], tuple[Any, type]]]:
+    import transformers as tf
+
+    return {
+        # renormalized top-2 of 8, and Qwen3-MoE's q/k norms with top-2 of 8 unrenormalized
+        "mixtral": lambda: (tf.MixtralConfig(**MOE_COMMON, intermediate_size=32, num_local_experts=8),
+                            tf.MixtralForCausalLM),
+        "qwen3_moe": lambda: (tf.Qwen3MoeConfig(**MOE_COMMON, intermediate_size=48, moe_intermediate_size=40,
+                                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+                              tf.Qwen3MoeForCausalLM),
+        # a shared expert with its sigmoid gate: left to Python
+        "qwen2_moe": lambda: (tf.Qwen2MoeConfig(**MOE_COMMON, intermediate_size=48, moe_intermediate_size=32,
+                                                shared_expert_intermediate_size=48, num_experts=8,
+                                                num_experts_per_tok=2), tf.Qwen2MoeForCausalLM),
+    }
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Any]]:
+    from support.hf_parity import tiny_models
+
+    return tiny_models(tmp_path_factory.mktemp, _moe_configs, lambda n: "norm" in n or n.endswith("bias"))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_native_moe_layers_match_python_bit_for_bit(arch: str, moe_model: Callable[[str], tuple[Path, Any]],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE layers on the native experts kernel (float32 SiLU experts in panels): the router, the routing and
+    the experts in the loop, as the Python layer calls them; through chunked prefill, prefix-cache hits and
+    preemption, as above."""
+    from kvpilot.kernels import cpu_native
+
+    if cpu_native.panel_gemm_max_rows() == 0:
+        pytest.skip("native panel kernel not built")
+    folder, _ = moe_model(arch)
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=256, num_kv_blocks=40, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=48, enable_prefix_caching=True)
+    model = llm.engine.runner.model
+    assert all(layer.moe is not None and layer.moe.native_experts for layer in model.layers)
+    assert NativeDecodeLayers.why_not(model) is None
+    prompts = _prompts(7, model.vocab_size)
+    prompts.append(list(prompts[0]))
+    native, python, steps = _both_ways(llm, prompts, monkeypatch)
+    assert steps > 10
+    assert native == python
+    assert llm.engine.get_stats().num_preempted_total > 0
+
+
+def test_moe_models_the_native_layers_leave_to_python_say_why(moe_model: Callable[[str], tuple[Path, Any]]) -> None:
+    folder, _ = moe_model("qwen2_moe")
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=128, num_kv_blocks=16)
+    assert "a shared expert" in (NativeDecodeLayers.why_not(llm.engine.runner.model) or "")
+    folder, _ = moe_model("mixtral")
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=128, num_kv_blocks=16, small_batch_gemm=False)
+    assert "experts the native kernel does not run" in (NativeDecodeLayers.why_not(llm.engine.runner.model) or "")
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

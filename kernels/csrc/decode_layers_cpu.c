@@ -62,8 +62,11 @@ enum {
     L_NORM_F32, /* 1: float32 norm weights under bfloat16 rows (Gemma's, scaled before the rounding) */
     L_GELU,     /* 1: GeGLU with tanh GELU (Gemma), 0: SwiGLU */
     L_SOFT_CAP, /* attention logits' tanh soft-cap (Gemma 2), 0: none */
+    L_MOE,      /* a MoE record (float32 panels; the router is the gate|up GEMM, no down GEMM), 0: a dense MLP */
     L_GEMMS = 24,
 };
+/* A MoE layer's record: what kvpilot_moe_route_f32 and kvpilot_moe_panels_f32 take besides the rows */
+enum { M_EXPERTS, M_TOPK, M_TOPK_FIRST, M_RENORMALIZE, M_INTER, M_W13, M_W13_BIAS, M_W2, M_W2_BIAS, M_SLOTS };
 enum { MAX_SEGMENTS = 4, GEMM_SLOTS = 2 + 5 * MAX_SEGMENTS, PANELS = -1 };
 enum { G_QKV, G_O, G_GATE_UP, G_DOWN, LAYER_SLOTS = L_GEMMS + 4 * GEMM_SLOTS };
 
@@ -71,8 +74,16 @@ enum { G_QKV, G_O, G_GATE_UP, G_DOWN, LAYER_SLOTS = L_GEMMS + 4 * GEMM_SLOTS };
  * the attention metadata, and how to run. */
 enum {
     S_ROWS, S_X, S_H, S_NORMED, S_QKV, S_ATTN, S_GATE_UP, S_ACT, S_CIS, S_SLOTS, S_BLOCK_TABLES, S_BT_STRIDE,
-    S_CONTEXT_LENS, S_QSL, S_SEQS, S_BF16, S_THREADS, S_QK, S_SLOTS_COUNT,
+    S_CONTEXT_LENS, S_QSL, S_SEQS, S_BF16, S_THREADS, S_QK,
+    S_MOE_LOGITS, S_MOE_IDS, S_MOE_WEIGHTS, S_MOE_OUT, /* a MoE layer's router logits, choices and output rows */
+    S_SLOTS_COUNT,
 };
+
+void kvpilot_moe_route_f32(const float *logits, int64_t ls, int T, int E, int k, int topk_first, int renormalize,
+                           int64_t *ids, float *weights);
+int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int E, int topk, const int64_t *ids,
+                           const float *weights, const float *w13p, const float *w13_bias, const float *w2p,
+                           const float *w2_bias, float *out, int64_t os, int num_threads);
 
 int kvpilot_decode_layer_slots(void) { return LAYER_SLOTS; }
 int kvpilot_decode_step_slots(void) { return S_SLOTS_COUNT; }
@@ -137,8 +148,24 @@ static void add_normed(char *out, const char *a, const char *t, int M, int H, in
     }
 }
 
+/* A MoE layer's routed experts (float32) for the normed rows, into the step's MoE output rows: the router GEMM,
+ * the routing and the experts, as models/moe.py's MoEBlock calls them. 0, or what failed as gemm's codes, -3
+ * the experts' kernel. */
+static int moe_mlp(const int64_t *mr, const int64_t *router, const char *normed, int M, int H, const int64_t *step,
+                   int nt) {
+    const int E = (int)mr[M_EXPERTS], k = (int)mr[M_TOPK];
+    float *logits = PTR(step[S_MOE_LOGITS]), *weights = PTR(step[S_MOE_WEIGHTS]);
+    int64_t *ids = PTR(step[S_MOE_IDS]);
+    const int rc = gemm(router, normed, H, M, H, NULL, 0, (char *)logits, E, 0, nt);
+    if (rc) return rc;
+    kvpilot_moe_route_f32(logits, E, M, E, k, (int)mr[M_TOPK_FIRST], (int)mr[M_RENORMALIZE], ids, weights);
+    return kvpilot_moe_panels_f32((const float *)normed, H, M, H, (int)mr[M_INTER], E, k, ids, weights,
+                                  PTR(mr[M_W13]), PTR(mr[M_W13_BIAS]), PTR(mr[M_W2]), PTR(mr[M_W2_BIAS]),
+                                  PTR(step[S_MOE_OUT]), H, nt) ? -3 : 0;
+}
+
 /* Runs n layers on the step's rows. Returns 0, or 1000 * (layer + 1) + what failed: 1 a GEMM's type or
- * shape, 2 its scratch memory, 100 + |code| the attention, 200 + |code| the KV store. */
+ * shape, 2 its scratch memory, 3 the MoE experts' kernel, 100 + |code| the attention, 200 + |code| the KV store. */
 int kvpilot_decode_layers(const int64_t *layers, int n, const int64_t *step) {
     const int M = (int)step[S_ROWS], bf16 = (int)step[S_BF16], nt = (int)step[S_THREADS];
     const size_t elem = bf16 ? 2 : 4;
@@ -198,6 +225,16 @@ int kvpilot_decode_layers(const int64_t *layers, int n, const int64_t *step) {
             return 1000 * (i + 1) - rc;
         if (sandwich) add_normed(h, x, h, M, H, L[L_POST_ATTN_NORM], eps, bf16, f32w, normed, nt);
         rms_norm(h, H, M, H, L[L_MLP_NORM], eps, normed, bf16, f32w, nt);
+        if (L[L_MOE]) { /* x = h + the experts' rows (normed in a sandwich), float32 */
+            if ((rc = moe_mlp(PTR(L[L_MOE]), L + L_GEMMS + G_GATE_UP * GEMM_SLOTS, normed, M, H, step, nt)))
+                return 1000 * (i + 1) - rc;
+            const float *y = PTR(step[S_MOE_OUT]), *hf = (const float *)h;
+            if (L[L_POST_MLP_NORM])
+                add_normed(x, h, (const char *)y, M, H, L[L_POST_MLP_NORM], eps, 0, f32w, normed, nt);
+            else
+                for (int64_t j = 0; j < (int64_t)M * H; j++) ((float *)x)[j] = hf[j] + y[j];
+            continue;
+        }
         if ((rc = gemm(L + L_GEMMS + G_GATE_UP * GEMM_SLOTS, normed, H, M, H, NULL, 0, gu, 2 * inter, bf16, nt)))
             return 1000 * (i + 1) - rc;
         if (L[L_GELU] && bf16)

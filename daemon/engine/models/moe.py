@@ -80,6 +80,7 @@ class MoEBlock(nn.Module):
         self.w13_bias = _param(experts, 2 * n, **kw) if moe.expert_bias else None
         self.w2_bias = _param(experts, hidden, **kw) if moe.expert_bias else None
         self.experts_packed = False  # see prepack_experts
+        self.native_experts = False  # float32 SiLU experts in panels: the native kernel's (prepack_experts)
         self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
         if moe.shared_expert_size:
             size = moe.shared_expert_size
@@ -94,11 +95,13 @@ class MoEBlock(nn.Module):
 
     def prepack_experts(self, keep_panels: bool = False, *, force_float32: bool = False) -> bool:
         """The routed experts repacked for the CPU GEMMs the dense layers use (``kernels.moe.PackedExperts``),
-        in place of the dense stacks: with ``keep_panels`` (float32 with the native kernel) panels for every row
-        count, otherwise one oneDNN-packed weight per expert. The router and the shared expert are
+        in place of the dense stacks: float32 ones as panels for every row count (where the native kernel is
+        built and not turned off, and SiLU experts or ``keep_panels``), otherwise one oneDNN-packed weight per expert. The router
+        and the shared expert are
         ``projections()``, which the decoder layer packs itself. Call once, after loading (tensor-parallel
         slices included); False where the experts stay dense (not on the CPU, a dtype oneDNN cannot pack here,
-        float32 unless ``force_float32``, the torch MoE backend forced, or packed already)."""
+        float32 experts the native kernel does not take unless ``force_float32``, the torch MoE backend forced,
+        or packed already)."""
         if self.experts_packed or not isinstance(self.w13, torch.Tensor) or not isinstance(self.w2, torch.Tensor):
             return False  # packed already, or experts that are not dense float stacks (GGUF blocks)
         if self.w13.device.type != "cpu" or not ops.current().prepack_weights:
@@ -108,11 +111,17 @@ class MoEBlock(nn.Module):
             return False
         if not onednn_pack_supported(self.w13.dtype):
             return False
-        if self.w13.dtype == torch.float32 and not force_float32:
-            # float32 experts stay dense: packed, a Qwen3-MoE-shaped model's batch-1 step took 1.10x as long and
-            # its workload 1.05x (bench/results/moe_model.json); bfloat16 layers gain 1.24-1.33x (moe_cpu.json)
+        # the native kernel reads SiLU experts as panels (small_batch_gemm=False turns the panel kernels off)
+        native = (self.moe.activation == "silu" and ops.panel_gemm_max_rows() > 0
+                  and ops.current().small_batch_gemm is not False)
+        if self.w13.dtype == torch.float32 and not (native or force_float32):
+            # float32 experts that the native MoE kernel cannot take stay dense: packed for the torch path, a
+            # Qwen3-MoE-shaped model's batch-1 step took 1.10x as long (bench/results/moe_model.json)
             return False
-        want_panels = keep_panels and self.w13.dtype == torch.float32
+        # float32 SiLU experts go to panels (over the dense memory: no second copy), which the native kernel
+        # reads in one call per layer (kernels/csrc/moe_cpu.c): a Qwen3-MoE-shaped model's 16-row decode step
+        # 1.35x faster than over dense stacks (bench/results/moe_model.json)
+        want_panels = self.w13.dtype == torch.float32 and (keep_panels or native)
         for name in ("w13", "w2"):
             packed = PackedExperts.pack(getattr(self, name), panels=want_panels)
             del self._parameters[name]  # the packed stack replaces the dense one (panels: over its memory)
@@ -120,6 +129,7 @@ class MoEBlock(nn.Module):
                 self.register_buffer(f"{name}_packed_{i}", t, persistent=False)
             setattr(self, name, packed)
         self.experts_packed = True
+        self.native_experts = want_panels and self.moe.activation == "silu" and self.w13.panels is not None
         return True
 
     def row_bytes(self, element_size: int) -> int:
@@ -129,8 +139,11 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for normed rows ``x [T, hidden]`` (without the residual)."""
         moe = self.moe
-        weights, ids = ops.moe_route(self.router(x), moe.top_k, renormalize=moe.renormalize,
-                                     topk_before_softmax=moe.routing == "topk_softmax")
+        logits = self.router(x)
+        route = {"renormalize": moe.renormalize, "topk_before_softmax": moe.routing == "topk_softmax"}
+        # experts the native kernel runs are routed natively too: the native decode loop repeats both bit for bit
+        routed = ops.native_moe_route(logits, moe.top_k, **route) if self.native_experts else None
+        weights, ids = routed if routed is not None else ops.moe_route(logits, moe.top_k, **route)
         # the per-expert down bias is weighted like its expert's output: one rank adds it, the sum has it once
         w2_bias = self.w2_bias if self.parallel.tp_rank == 0 else None
         if self.gguf_experts is not None:

@@ -9,7 +9,8 @@ once and only the step's record (rows, positions' RoPE factors, block tables) pe
 It takes layers whose weights the native GGUF GEMM multiplies as they are (GGUF, AWQ and GPTQ without
 desc_act: ``QuantMethod.native_blocks``) or float32 weights with panel copies (``native_panels``); pre-norm
 or sandwich RMSNorms (float32 weights under bfloat16 rows too), per-head q/k norms or none, SwiGLU or GeGLU,
-soft-capped attention; no sinks or MoE; one rank; caches of the activations' dtype. ``why_not`` names what
+soft-capped attention, MoE layers whose float32 experts the native MoE kernel runs (no shared expert); no
+sinks; one rank; caches of the activations' dtype. ``why_not`` names what
 keeps a model out. Such a model, and any step with prefill rows, LoRA rows, or more rows than the GEMMs'
 small-step paths take, runs through Python as before.
 """
@@ -31,6 +32,7 @@ from .linear import small_batch_rows
 if TYPE_CHECKING:
     from .decoder import DecoderForCausalLM, DecoderLayer
     from .linear import Linear
+    from .moe import MoEBlock
 
 __all__ = ["NativeDecodeLayers"]
 
@@ -38,11 +40,12 @@ _DTYPES = (torch.float32, torch.bfloat16)
 # the C records' slots (decode_layers_cpu.c's enums)
 (L_IN_NORM, L_MLP_NORM, L_EPS, L_K_CACHE, L_V_CACHE, L_HEADS, L_KV_HEADS, L_HEAD_DIM, L_BLOCK_SIZE, L_SCALE,
  L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS, L_Q_NORM, L_K_NORM, L_POST_ATTN_NORM, L_POST_MLP_NORM, L_NORM_F32,
- L_GELU, L_SOFT_CAP) = range(22)
+ L_GELU, L_SOFT_CAP, L_MOE) = range(23)
 L_GEMMS = 24
+(M_EXPERTS, M_TOPK, M_TOPK_FIRST, M_RENORMALIZE, M_INTER, M_W13, M_W13_BIAS, M_W2, M_W2_BIAS, M_SLOTS) = range(10)
 _PANELS = -1  # a GEMM record's segment count for float32 panels
 (S_ROWS, S_X, S_H, S_NORMED, S_QKV, S_ATTN, S_GATE_UP, S_ACT, S_CIS, S_SLOTS, S_BLOCK_TABLES, S_BT_STRIDE,
- S_CONTEXT_LENS, S_QSL, S_SEQS, S_BF16, S_THREADS, S_QK) = range(18)
+ S_CONTEXT_LENS, S_QSL, S_SEQS, S_BF16, S_THREADS, S_QK, S_MOE_LOGITS, S_MOE_IDS, S_MOE_WEIGHTS, S_MOE_OUT) = range(22)
 
 
 def _double_bits(v: float) -> int:
@@ -59,9 +62,19 @@ def _norms(layer: DecoderLayer) -> list[torch.Tensor]:
                         layer.q_norm, layer.k_norm) if w is not None]
 
 
+def _moe_why_not(layer: DecoderLayer, dtype: torch.dtype) -> str | None:
+    moe = layer.moe
+    assert moe is not None
+    if dtype is not torch.float32 or not moe.native_experts:
+        return "mixture-of-experts layers whose experts the native kernel does not run (float32 SiLU experts)"
+    if moe.shared_gate_up is not None:
+        return "a shared expert beside the routed ones"
+    return None
+
+
 def _layer_why_not(layer: DecoderLayer, dtype: torch.dtype, max_segments: int) -> str | None:
-    if layer.moe is not None:
-        return "a mixture-of-experts MLP"
+    if layer.moe is not None and (reason := _moe_why_not(layer, dtype)) is not None:
+        return reason
     if layer.sinks is not None or set(layer.attn_kwargs) - {"soft_cap"}:
         return "attention sinks"
     if layer.q_norm is not None and layer.spec.qk_norm != "per_head":
@@ -122,27 +135,36 @@ class NativeDecodeLayers:
         # the panel GEMM (float32 weights)
         self.max_rows = min(ops.GGUF_NATIVE_MAX_ROWS[model.dtype], small_batch_rows())
         self._keep: list[torch.Tensor] = []  # every tensor a record points at, alive as long as the records
+        self._moe_records: list[np.ndarray] = []  # the MoE layers' records, which the layer records point at
         layers = model.layers
         records = np.zeros((len(layers), layer_slots), dtype=np.int64)
-        widths = {"qkv": 0, "qk": 0, "attn": 0, "inter": 0}
+        widths = {"qkv": 0, "qk": 0, "attn": 0, "inter": 0, "experts": 1, "top_k": 1}
         for i, (layer, kc, vc) in enumerate(zip(layers, model.k_caches, model.v_caches, strict=True)):
             records[i] = self._layer_record(layer, kc, vc, layer_slots)
             widths["qkv"] = max(widths["qkv"], (layer.local_heads + 2 * layer.local_kv_heads) * layer.head_dim)
             widths["qk"] = max(widths["qk"], (layer.local_heads + layer.local_kv_heads) * layer.head_dim)
             widths["attn"] = max(widths["attn"], layer.local_heads * layer.head_dim)
             widths["inter"] = max(widths["inter"], layer.local_inter)
+            if layer.moe is not None:
+                widths["experts"] = max(widths["experts"], layer.moe.moe.num_experts)
+                widths["top_k"] = max(widths["top_k"], layer.moe.moe.top_k)
         self._records = records
         m, hidden, dtype = self.max_rows, model.hidden_size, model.dtype
-        widths.update(x=hidden, h=hidden, normed=hidden, gate_up=2 * widths["inter"], act=widths["inter"])
+        widths.update(x=hidden, h=hidden, normed=hidden, gate_up=2 * widths["inter"], act=widths["inter"],
+                      moe_logits=widths["experts"], moe_weights=widths["top_k"], moe_out=hidden)
         self._buffers = {name: torch.empty((m, widths[name]), dtype=dtype) for name in
                          ("x", "h", "normed", "qkv", "qk", "attn", "gate_up", "act")}
+        self._buffers.update({name: torch.empty((m, widths[name]), dtype=torch.float32)
+                              for name in ("moe_logits", "moe_weights", "moe_out")})
+        self._buffers["moe_ids"] = torch.empty((m, widths["top_k"]), dtype=torch.int64)
         self._rope_cos = model.rope_cos
         # numpy, not torch: a step writes a dozen slots, and a torch element write costs a microsecond or two
         self._cis_ptrs = np.zeros(len(model.rope_cos), dtype=np.int64)
         self._step = np.zeros(step_slots, dtype=np.int64)
         b = self._buffers
         for slot, name in ((S_X, "x"), (S_H, "h"), (S_NORMED, "normed"), (S_QKV, "qkv"), (S_QK, "qk"),
-                           (S_ATTN, "attn"), (S_GATE_UP, "gate_up"), (S_ACT, "act")):
+                           (S_ATTN, "attn"), (S_GATE_UP, "gate_up"), (S_ACT, "act"), (S_MOE_LOGITS, "moe_logits"),
+                           (S_MOE_IDS, "moe_ids"), (S_MOE_WEIGHTS, "moe_weights"), (S_MOE_OUT, "moe_out")):
             self._step[slot] = b[name].data_ptr()
         self._step[S_CIS] = self._cis_ptrs.ctypes.data
         self._step[S_BF16] = int(dtype is torch.bfloat16)
@@ -185,11 +207,33 @@ class NativeDecodeLayers:
         rec[L_WINDOW], rec[L_ROPE] = layer.sliding_window or 0, layer.rope_index
         rec[L_INTER], rec[L_HIDDEN] = layer.local_inter, layer.spec.hidden_size
         gemm_slots = (slots - L_GEMMS) // 4
-        for g, proj in enumerate((layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)):
-            assert proj is not None
-            at = L_GEMMS + g * gemm_slots
-            rec[at:at + gemm_slots] = self._gemm_slots(proj)
+        mlp = (layer.gate_up_proj, layer.down_proj) if layer.moe is None else (layer.moe.router, None)
+        for g, proj in enumerate((layer.qkv_proj, layer.o_proj, *mlp)):
+            if proj is not None:  # a MoE layer's router is its gate|up GEMM, and it has no down GEMM
+                at = L_GEMMS + g * gemm_slots
+                rec[at:at + gemm_slots] = self._gemm_slots(proj)
+        if layer.moe is not None:
+            rec[L_MOE] = self._moe_record(layer.moe)
         return rec
+
+    def _moe_record(self, block: MoEBlock) -> int:
+        """The address of a MoE layer's record (kept alive here), whose experts ``_moe_why_not`` accepted."""
+        moe, w13, w2 = block.moe, block.w13, block.w2
+        assert isinstance(w13, ops.PackedExperts) and isinstance(w2, ops.PackedExperts)
+        assert w13.panels is not None and w2.panels is not None
+        rec = np.zeros(M_SLOTS, dtype=np.int64)
+        rec[M_EXPERTS], rec[M_TOPK], rec[M_INTER] = moe.num_experts, moe.top_k, block.local_inter
+        rec[M_TOPK_FIRST], rec[M_RENORMALIZE] = int(moe.routing == "topk_softmax"), int(moe.renormalize)
+        rec[M_W13], rec[M_W2] = w13.panels.data_ptr(), w2.panels.data_ptr()
+        # the down bias is added by rank 0 only in the Python layer: the native loop runs one rank
+        for slot, bias in ((M_W13_BIAS, block.w13_bias), (M_W2_BIAS, block.w2_bias)):
+            if bias is not None:
+                bias = bias.detach().float().contiguous()
+                self._keep.append(bias)
+                rec[slot] = bias.data_ptr()
+        self._keep += [w13.panels, w2.panels]
+        self._moe_records.append(rec)
+        return int(rec.ctypes.data)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The layers' output for the step's rows ``x [T, hidden]`` (a view of a buffer kept here, valid

@@ -1,0 +1,199 @@
+/* The routed experts of a mixture-of-experts layer in one call: float32, weights packed in panels.
+ *
+ * Why one call: a decode step's MoE layer is a dozen small operations (the sort of the (token, slot) pairs
+ * by expert, the gather of their rows, a GEMM per active expert and projection, the activation, the weighted
+ * scatter-add), and through torch each costs more than its arithmetic; the expert GEMMs are bound by reading
+ * the weights, which one long stream per thread does best. bench/results/moe_model.json.
+ *
+ * The layout is small_gemm_cpu.c's: each expert's [N, K] weight as panels of PANEL output columns, K
+ * consecutive runs of PANEL floats ([E][ceil(N / PANEL)][K][PANEL]). The gate|up stack is [2I, H] (gate rows,
+ * then up rows), the down stack [H, I].
+ *
+ * Threads split every expert's panels into contiguous shares, so that each streams one range of the weights:
+ * (1) the gate|up product of each expert's rows, (2) SiLU(gate) * up over all pairs, (3) the down product,
+ * where a thread owns a range of output columns and adds each pair's row, times its routing weight, into the
+ * token's output row itself: no reduction between threads. Each token sums its experts in ascending order, as
+ * the torch path's scatter-add does.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu_simd.h"
+#include "panel_kernel.h"
+
+#ifndef XS_PAD
+#define XS_PAD 16
+#endif
+
+/* The calling thread's scratch of at least `bytes`, kept between calls: a prefill's rows are tens of MB, which a
+ * fresh allocation maps and faults in page by page on every layer (0.8x the speed of the reused buffer). */
+static _Thread_local char *scratch_mem;
+static _Thread_local size_t scratch_size;
+
+static char *scratch_for(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch_mem);
+        scratch_mem = malloc(bytes);
+        scratch_size = scratch_mem ? bytes : 0;
+    }
+    return scratch_mem;
+}
+
+void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out, int num_threads);
+
+/* y[m][n] = x[m] . w[n] (+ bias[n]) for the M rows of x and the columns of panels [p_lo, p_hi) */
+static void panels_product(const float *x, int64_t xs, int M, const float *wp, int K, int N, const float *bias,
+                           int p_lo, int p_hi, float *y, int64_t ys) {
+    float tile[PANEL_MB * PANEL];
+    for (int p = p_lo; p < p_hi; p++) {
+        const float *panel = wp + (int64_t)p * K * PANEL;
+        const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int m0 = 0; m0 < M; m0 += PANEL_MB) {
+            const int mb = M - m0 < PANEL_MB ? M - m0 : PANEL_MB;
+            panel_rows_n(x + (int64_t)m0 * xs, xs, mb, panel, K, tile, PANEL, NULL);
+            for (int m = 0; m < mb; m++) {
+                float *dst = y + (int64_t)(m0 + m) * ys + n0;
+                for (int j = 0; j < nc; j++) dst[j] = tile[m * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
+            }
+        }
+    }
+}
+
+/* out[token][n] += (act[m] . w2[n] + bias[n]) * weight, for the M sorted pairs `pairs` of one expert and the
+ * output columns of panels [p_lo, p_hi) */
+static void panels_scatter(const float *act, int64_t as, int M, const int *pairs, const float *weights, int topk,
+                           const float *wp, int K, int N, const float *bias, int p_lo, int p_hi, float *out,
+                           int64_t os) {
+    float tile[PANEL_MB * PANEL];
+    for (int p = p_lo; p < p_hi; p++) {
+        const float *panel = wp + (int64_t)p * K * PANEL;
+        const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int m0 = 0; m0 < M; m0 += PANEL_MB) {
+            const int mb = M - m0 < PANEL_MB ? M - m0 : PANEL_MB;
+            panel_rows_n(act + (int64_t)m0 * as, as, mb, panel, K, tile, PANEL, NULL);
+            for (int m = 0; m < mb; m++) {
+                const int pair = pairs[m0 + m];
+                const float w = weights[pair];
+                float *dst = out + (int64_t)(pair / topk) * os + n0;
+                for (int j = 0; j < nc; j++) dst[j] += (tile[m * PANEL + j] + (bias ? bias[n0 + j] : 0.0f)) * w;
+            }
+        }
+    }
+}
+
+/* One MoE layer's routed experts: out [T, H] (rows os floats apart, overwritten) = for each token t, the sum over
+ * its slots j of weights[t][j] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)) with e = ids[t][j].
+ * x [T, H] rows xs floats apart; ids int64 [T, topk]; weights float32 [T, topk]; w13p the [E] gate|up stacks
+ * [2I, H] and w2p the down stacks [H, I] as panels; biases [E, 2I] / [E, H] or NULL.
+ * Returns 0; -1 for an expert id outside [0, E) (nothing written); -2 where scratch memory is not at hand. */
+int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int E, int topk, const int64_t *ids,
+                           const float *weights, const float *w13p, const float *w13_bias, const float *w2p,
+                           const float *w2_bias, float *out, int64_t os, int num_threads) {
+    const int pairs = T * topk, I2 = 2 * I;
+    const int p13 = (I2 + PANEL - 1) / PANEL, p2 = (H + PANEL - 1) / PANEL;
+    const int64_t w13_size = (int64_t)p13 * H * PANEL, w2_size = (int64_t)p2 * I * PANEL;
+    for (int i = 0; i < pairs; i++)
+        if (ids[i] < 0 || ids[i] >= E) return -1;
+    if (pairs == 0) return 0;
+    /* the gathered rows XS floats apart, not H: rows 4 KB apart share L1 sets, and a tile reads 12 of them */
+    const int64_t XS = H + XS_PAD, AS = I + XS_PAD;
+    const size_t ints = (size_t)(2 * E + 1) + (size_t)pairs;
+    const size_t bytes = sizeof(float) * (size_t)pairs * (size_t)(XS + I2 + AS) + sizeof(int) * ints;
+    char *mem = scratch_for(bytes);
+    if (!mem) return -2;
+    float *scratch = (float *)mem;
+    int *start = (int *)(mem + sizeof(float) * (size_t)pairs * (size_t)(XS + I2 + AS)), *next = start + E + 1;
+    int *order = next + E;
+    /* the pairs sorted by expert (a stable counting sort: token order within an expert) */
+    memset(start, 0, sizeof(int) * (size_t)(E + 1));
+    for (int i = 0; i < pairs; i++) start[ids[i] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    memcpy(next, start, sizeof(int) * (size_t)E);
+    for (int i = 0; i < pairs; i++) order[next[ids[i]]++] = i;
+    float *xg = scratch, *gu = xg + (int64_t)pairs * XS, *act = gu + (int64_t)pairs * I2;
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(num_threads)
+#endif
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int t = 0, nt = 1;
+#endif
+        const int r_lo = (int)((int64_t)pairs * t / nt), r_hi = (int)((int64_t)pairs * (t + 1) / nt);
+        for (int r = r_lo; r < r_hi; r++)
+            memcpy(xg + (int64_t)r * XS, x + (int64_t)(order[r] / topk) * xs, sizeof(float) * (size_t)H);
+#ifdef _OPENMP
+        #pragma omp barrier
+#endif
+        const int a_lo = (int)((int64_t)p13 * t / nt), a_hi = (int)((int64_t)p13 * (t + 1) / nt);
+        for (int e = 0; e < E; e++) {
+            const int lo = start[e], m = start[e + 1] - lo;
+            if (m && a_lo < a_hi)
+                panels_product(xg + (int64_t)lo * XS, XS, m, w13p + e * w13_size, H, I2,
+                               w13_bias ? w13_bias + (int64_t)e * I2 : NULL, a_lo, a_hi, gu + (int64_t)lo * I2, I2);
+        }
+#ifdef _OPENMP
+        #pragma omp barrier
+#endif
+        if (r_lo < r_hi)
+            for (int r = r_lo; r < r_hi; r++)
+                kvpilot_silu_mul_f32(gu + (int64_t)r * I2, I2, 1, I, act + (int64_t)r * AS, 1);
+        const int c_lo = (int)((int64_t)p2 * t / nt), c_hi = (int)((int64_t)p2 * (t + 1) / nt);
+        const int n_lo = c_lo * PANEL, n_hi = c_hi * PANEL < H ? c_hi * PANEL : H;
+        for (int tok = 0; tok < T && n_lo < n_hi; tok++)
+            memset(out + (int64_t)tok * os + n_lo, 0, sizeof(float) * (size_t)(n_hi - n_lo));
+#ifdef _OPENMP
+        #pragma omp barrier
+#endif
+        for (int e = 0; e < E; e++) {
+            const int lo = start[e], m = start[e + 1] - lo;
+            if (m && c_lo < c_hi)
+                panels_scatter(act + (int64_t)lo * AS, AS, m, order + lo, weights, topk, w2p + e * w2_size, I, H,
+                               w2_bias ? w2_bias + (int64_t)e * H : NULL, c_lo, c_hi, out, os);
+        }
+    }
+    return 0;
+}
+
+/* The router's choice per token, as kernels/moe.py's moe_route: logits [T, E] float32 (rows ls apart) to ids
+ * int64 [T, k] and weights float32 [T, k]. topk_first 0: softmax over the E experts, the k largest (the lower
+ * id first among equals), divided by their sum where renormalize; 1: the k largest logits, softmax over them.
+ * Native so that a decode step's layer runs in one call (decode_layers_cpu.c); the Python layer calls it too,
+ * so that both take the same bits. */
+void kvpilot_moe_route_f32(const float *logits, int64_t ls, int T, int E, int k, int topk_first, int renormalize,
+                           int64_t *ids, float *weights) {
+    for (int t = 0; t < T; t++) {
+        const float *l = logits + (int64_t)t * ls;
+        int64_t *id = ids + (int64_t)t * k;
+        float *w = weights + (int64_t)t * k;
+        float mx = l[0], sum = 0.0f;
+        for (int e = 1; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+        for (int e = 0; e < E; e++) sum += expf(fmaxf(l[e] - mx, -88.0f)); /* finite: -ffast-math */
+        for (int j = 0; j < k; j++) { /* selection: k is a handful */
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            id[j] = best;
+        }
+        if (topk_first) {
+            float s = 0.0f;
+            for (int j = 0; j < k; j++) s += (w[j] = expf(fmaxf(l[id[j]] - l[id[0]], -88.0f)));
+            for (int j = 0; j < k; j++) w[j] /= s;
+        } else {
+            float s = 0.0f;
+            for (int j = 0; j < k; j++) s += (w[j] = expf(fmaxf(l[id[j]] - mx, -88.0f)) / sum);
+            if (renormalize)
+                for (int j = 0; j < k; j++) w[j] /= s;
+        }
+    }
+}
