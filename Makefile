@@ -59,12 +59,15 @@ bench: install
 	$(PY) bench/lm_head.py
 	$(PY) bench/gguf_gemv.py --step
 	$(PY) bench/moe_cpu.py
+	$(PY) bench/panel_prefetch.py
 
 # vLLM's CPU build, llama.cpp and HF on the same workloads, each in its own venv under the user cache dir.
 bench-peers: install
 	$(PY) bench/peers.py
+	$(PY) bench/peers.py --workload w96 --model builtin://gemma3-270m --peers kvpilot,vllm,hf
 	$(PY) bench/peers.py --workload w96 --model builtin://gemma3-270m --peers kvpilot_bf16,vllm_bf16
 	$(PY) bench/single_stream.py
+	$(PY) bench/single_stream.py --moe
 	$(PY) bench/moe_model.py
 
 lint: install

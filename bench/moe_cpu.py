@@ -1,6 +1,7 @@
 """The CPU MoE path (``moe.fused_moe_cpu``) against the torch reference (``moe_reference.fused_moe``), over
-dense expert stacks and over stacks packed for the CPU GEMMs (``moe.PackedExperts``: panels, float32 only, and
-oneDNN-packed weights, what ``MoEBlock.prepack_experts`` makes).
+dense expert stacks and over stacks packed for the CPU GEMMs (``moe.PackedExperts``: panels, float32 only, which
+``fused_moe_cpu`` hands to the native MoE kernel, csrc/moe_cpu.c; and oneDNN-packed weights: what
+``MoEBlock.prepack_experts`` makes).
 
 A Qwen3-MoE-like small layer: E=8 experts, top-2, H=1024, I=768, routed from random logits (uneven loads), at
 T=1 (decode), 16 and 256 tokens, float32 and bfloat16. All are timed in the same process one after another,

@@ -9,10 +9,10 @@ MoE model's active parameters per token (less the router's 8K per layer).
 
 (a) kvpilot MoE against kvpilot dense: decode step time at batch 1 and 16 (B prompts of 32 tokens; a request
     of 17 tokens less one of 1 token, over 16 steps), and throughput on the workload below. The MoE model runs
-    twice: with its experts packed for the CPU GEMMs (``MoEBlock.prepack_experts``, forced: the engine packs
-    bfloat16 experts only, since float32 ones gained nothing here) and with dense expert stacks. All three engines live in
-    one process and are timed in interleaved rounds (``--rounds``; the workload in the first two); the best round
-    counts (a shared host only slows runs down).
+    twice: as the engine runs it, its experts packed into panels for the native MoE kernel
+    (``MoEBlock.prepack_experts``), and with dense expert stacks (per-expert torch GEMMs). All three engines live
+    in one process and are timed in interleaved rounds (``--rounds``; the workload in the first two); the best
+    round counts (a shared host only slows runs down).
 (b) kvpilot against HF transformers ``generate`` on the MoE model: the same workload, greedy, same max tokens
     (EOS ignored), both on ``--threads`` threads, HF in its own process, one batch left-padded.
 (c) vLLM's CPU build (bench/peers.py's venv and offline script) on the MoE model and the same workload.
@@ -108,7 +108,7 @@ def kvpilot_child(models: dict[str, Any], work: list[tuple[list[int], int]], thr
     real_prepack_experts = MoEBlock.prepack_experts
     pack_experts = True
 
-    # the decoder packs bfloat16 experts only: this float32 run packs them (or not) itself to compare both
+    # the packed variant as the engine packs (float32 SiLU experts: panels), the other kept dense
     def prepack_experts(self: Any, keep_panels: bool = False, **_: Any) -> bool:
         return real_prepack_experts(self, keep_panels=keep_panels, force_float32=True) if pack_experts else False
 

@@ -218,12 +218,14 @@ def _bind_row_kernels(lib: ctypes.CDLL) -> None:
     for name, argtypes in (("gguf_dequant", [i32, p, i64, i32, i32, p, i64, i32, i32]),
                            ("gguf_gemm_packed", [ctypes.POINTER(ctypes.c_int64)]),
                            ("lora_shrink_expand_packed", [ctypes.POINTER(ctypes.c_int64)]),
+                           ("moe_gguf_packed", [ctypes.POINTER(ctypes.c_int64)]),
                            ("moe_panels_f32", [p, i64, i32, i32, i32, i32, i32, p, p, p, p, p, p, p, i64, i32])):
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = argtypes
         fn.restype = i32
         _row_fns[name] = fn
-    for name in ("panel_width", "panel_gemm_max_rows", "prefill_max_group", "prefill_max_head_dim", "gguf_dot_path"):
+    for name in ("panel_width", "panel_gemm_max_rows", "prefill_max_group", "prefill_max_head_dim", "gguf_dot_path",
+                 "moe_gguf_args"):
         # constants of the build, read once here
         fn = getattr(lib, "kvpilot_" + name)
         fn.argtypes = []
@@ -264,7 +266,7 @@ def _row_kernel(name: str) -> Callable[..., None] | None:
 
 def gguf_fn(name: str) -> Callable[..., int] | None:
     """The GGUF kernels' entry point ``kvpilot_<name>`` (gguf_dequant, gguf_gemm_packed; see
-    csrc/gguf_gemm_cpu.c), bound on first use; None without the library."""
+    csrc/gguf_gemm_cpu.c; moe_gguf_packed, csrc/moe_cpu.c), bound on first use; None without the library."""
     return _row_kernel(name)
 
 
@@ -272,6 +274,11 @@ def lora_fn() -> Callable[..., int] | None:
     """The batched LoRA kernel's entry point (``kvpilot_lora_shrink_expand_packed``, csrc/lora_cpu.c), bound on
     first use; None without the library."""
     return _row_kernel("lora_shrink_expand_packed")
+
+
+def moe_gguf_args() -> int:
+    """How many int64 slots ``kvpilot_moe_gguf_packed`` reads (its argument layout's version check)."""
+    return _build_constant("moe_gguf_args")
 
 
 def gguf_dot_path() -> bool:

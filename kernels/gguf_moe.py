@@ -6,19 +6,25 @@ GGUF GEMM (``gguf.linear``: the native CPU kernel, Triton on CUDA, the torch ref
 its contiguous run of rows by its gate and up blocks into the two halves of one gate|up buffer, and by its
 down blocks after the activation. The routing weights and the scatter-add are one pass each over all pairs.
 The types may differ between the three projections (a Q4_K_M file keeps down in Q6_K on some layers).
+
+A decode step's few rows (up to the native GGUF GEMM's row limit) with SiLU experts go to one native call
+instead (csrc/moe_cpu.c, ``kvpilot_moe_gguf_packed``): the same GEMMs, sort and sums without a Python loop,
+which the native decode loop also calls.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
 
-from . import gguf, gguf_reference
+from . import cpu_native, gguf, gguf_reference
 from .moe import ExpertRuns
-from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation
+from .moe_reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, activation, check_expert_ids
 
-__all__ = ["GGUFExperts", "fused_moe_gguf"]
+__all__ = ["GGUFExperts", "fused_moe_gguf", "native_args", "native_available"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,11 @@ def fused_moe_gguf(hidden: torch.Tensor, experts: GGUFExperts, topk_weights: tor
         raise ValueError(f"topk_ids/topk_weights must both be [{hidden.shape[0]}, k]; got {tuple(topk_ids.shape)} "
                          f"and {tuple(topk_weights.shape)}")
     inter = experts.inter
+    if act == "silu" and hidden.is_cpu and hidden.dtype in gguf.NATIVE_MAX_ROWS \
+            and hidden.shape[0] <= gguf.NATIVE_MAX_ROWS[hidden.dtype]:
+        out = _native(hidden, experts, topk_weights, topk_ids)
+        if out is not None:
+            return out
     runs = ExpertRuns.of(topk_ids, experts.gate.shape[0])
     x = hidden.index_select(0, runs.rows)  # every pair's input row, grouped by expert
     gate_up = hidden.new_empty((runs.pairs, 2 * inter))
@@ -80,3 +91,53 @@ def fused_moe_gguf(hidden: torch.Tensor, experts: GGUFExperts, topk_weights: tor
     for e, lo, hi in runs.spans:
         gguf.linear(a[lo:hi], experts.down[e], experts.down_type, out=y[lo:hi])
     return runs.weighted_sum(y, topk_weights, hidden)
+
+
+_ARGS = 25  # kvpilot_moe_gguf_packed's slots (csrc/moe_cpu.c), checked against the build's own count
+_tls = threading.local()
+
+
+def _native(hidden: torch.Tensor, experts: GGUFExperts, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor) -> torch.Tensor | None:
+    """``fused_moe_gguf`` for SiLU experts in one native call; None where the kernel is not built (the caller
+    takes the per-expert loop)."""
+    if not native_available() or hidden.stride(1) != 1:
+        return None
+    fn = cpu_native.gguf_fn("moe_gguf_packed")
+    assert fn is not None
+    e = experts.gate.shape[0]
+    check_expert_ids(topk_ids, e)
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    if not all(b.is_contiguous() for b in (experts.gate, experts.up, experts.down)):
+        return None
+    out = hidden.new_empty(hidden.shape)
+    args = getattr(_tls, "args", None)
+    if args is None:
+        args = _tls.args = (ctypes.c_int64 * _ARGS)()
+    args[:] = native_args(experts, hidden.dtype)
+    args[0:3] = (hidden.data_ptr(), hidden.stride(0), hidden.shape[0])
+    args[6:9] = (ids.shape[1], ids.data_ptr(), weights.data_ptr())
+    args[22:25] = (out.data_ptr(), out.stride(0), torch.get_num_threads())
+    rc = fn(args)
+    if rc == -2:
+        raise MemoryError("the native MoE kernel could not allocate its scratch rows")
+    if rc != 0:
+        raise ValueError(f"the native MoE kernel rejected the experts' blocks (rc {rc})")
+    return out
+
+
+def native_args(experts: GGUFExperts, dtype: torch.dtype) -> list[int]:
+    """``kvpilot_moe_gguf_packed``'s argument record (csrc/moe_gguf_args.h) with the layer's own slots filled:
+    the sizes, each projection's blocks and the rows' dtype; the rows, routing and output slots (0-2, 6-8 and
+    22-24) are the caller's. The native decode loop keeps one per layer. The blocks must stay alive."""
+    slots = [0, 0, 0, experts.hidden, experts.inter, experts.gate.shape[0], 0, 0, 0]
+    for b, qtype in ((experts.gate, experts.gate_type), (experts.up, experts.up_type),
+                     (experts.down, experts.down_type)):
+        slots += [qtype, b.data_ptr(), b.stride(0), b.stride(1)]
+    return [*slots, int(dtype is torch.bfloat16), 0, 0, 0]
+
+
+def native_available() -> bool:
+    """Whether the native GGUF MoE kernel is built (with the argument layout this module writes)."""
+    return cpu_native.gguf_fn("moe_gguf_packed") is not None and cpu_native.moe_gguf_args() == _ARGS

@@ -81,6 +81,8 @@ __all__ = [
     "onednn_pack_supported",
     "GGUFExperts",
     "fused_moe_gguf",
+    "gguf_moe_native_args",
+    "gguf_moe_native_available",
     "decode_layers_entry",
     "GGUF_NATIVE_MAX_ROWS",
     "fp8_quantize",
@@ -307,3 +309,5 @@ from .gguf import linear as gguf_linear  # noqa: E402
 from .gguf import row_bytes as gguf_row_bytes  # noqa: E402
 from .gguf import supported as gguf_supported  # noqa: E402
 from .gguf_moe import GGUFExperts, fused_moe_gguf  # noqa: E402 - a GGUF's MoE experts on their blocks
+from .gguf_moe import native_args as gguf_moe_native_args  # noqa: E402
+from .gguf_moe import native_available as gguf_moe_native_available  # noqa: E402

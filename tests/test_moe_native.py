@@ -142,3 +142,66 @@ def test_native_moe_route_matches_the_torch_routing(k: int, renormalize: bool, t
     assert torch.equal(got[1], want[1])  # the same experts in the same order (no near-ties in these logits)
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-6)
     assert cpu_native.moe_route(logits, 17) is None and cpu_native.moe_route(logits.double(), k) is None
+
+
+# ------------------------------------------------------------------------------------ GGUF experts
+
+
+def _gguf_experts(num: int, hidden: int, inter: int, types: tuple[int, int, int], seed: int = 0) -> Any:
+    import numpy as np
+
+    from kvpilot.kernels.gguf_moe import GGUFExperts
+    from support.gguf_blocks import quantize
+
+    rng = np.random.default_rng(seed)
+
+    def stack(rows: int, cols: int, qtype: int) -> torch.Tensor:
+        return torch.from_numpy(np.stack([quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32),
+                                                   qtype, rng) for _ in range(num)]))
+
+    experts = GGUFExperts(stack(inter, hidden, types[0]), stack(inter, hidden, types[1]),
+                          stack(hidden, inter, types[2]), *types, hidden=hidden, inter=inter)
+    experts.check()
+    return experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("tokens", "num", "k", "types"), [
+    (1, 8, 2, (12, 12, 14)), (4, 8, 1, (8, 8, 8)), (8, 16, 8, (2, 6, 3)), (20, 8, 2, (3, 3, 2)),
+], ids=["T1-k2-Q4_K|Q6_K", "T4-k1-Q8_0", "T8-k8-Q4_0|Q5_0|Q4_1", "T20-k2-Q4_1|Q4_0"])
+def test_native_gguf_moe_matches_the_per_expert_loop(dtype: torch.dtype, tokens: int, num: int, k: int,
+                                                     types: tuple[int, int, int],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one native call (csrc/moe_cpu.c) against fused_moe_gguf's per-expert GEMMs over the same blocks:
+    the same GEMM kernel per row, so only the activation's and the sums' rounding may differ."""
+    from kvpilot.kernels import gguf, gguf_moe
+
+    if tokens > gguf.NATIVE_MAX_ROWS[dtype]:
+        pytest.skip("more rows than the native GGUF GEMM takes in this dtype")
+    experts = _gguf_experts(num, 256, 512, types)
+    c = _layer(tokens, num, k, 256, 8, bias=False, seed=tokens)  # the routing (skewed, idle experts) and rows
+    wide = torch.randn(tokens, 300).to(dtype)
+    wide[:, 20:276] = c["x"].to(dtype)
+    x = wide[:, 20:276]  # rows a wider stride apart
+    calls = []
+    real = gguf_moe._native
+
+    def counting(*a: Any) -> torch.Tensor | None:
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(gguf_moe, "_native", counting)
+    native = gguf_moe.fused_moe_gguf(x, experts, c["weights"], c["ids"])
+    assert calls == [1] and native.dtype is dtype
+    monkeypatch.setattr(gguf_moe, "_native", lambda *_: None)
+    loop = gguf_moe.fused_moe_gguf(x, experts, c["weights"], c["ids"])
+    tol = 1e-5 if dtype is torch.float32 else 1e-2
+    torch.testing.assert_close(native.float(), loop.float(), atol=tol, rtol=tol)
+
+
+def test_native_gguf_moe_refuses_bad_expert_ids() -> None:
+    from kvpilot.kernels import gguf_moe
+
+    experts = _gguf_experts(4, 256, 512, (8, 8, 8))
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        gguf_moe.fused_moe_gguf(torch.zeros(2, 256), experts, torch.ones(2, 1), torch.tensor([[1], [4]]))

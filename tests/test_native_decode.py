@@ -220,7 +220,52 @@ def test_moe_models_the_native_layers_leave_to_python_say_why(moe_model: Callabl
     assert "a shared expert" in (NativeDecodeLayers.why_not(llm.engine.runner.model) or "")
     folder, _ = moe_model("mixtral")
     llm = LLM(model=str(folder), dtype="float32", max_model_len=128, num_kv_blocks=16, small_batch_gemm=False)
-    assert "experts the native kernel does not run" in (NativeDecodeLayers.why_not(llm.engine.runner.model) or "")
+    assert "experts the native kernels do not run" in (NativeDecodeLayers.why_not(llm.engine.runner.model) or "")
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def _quantized_moe(name: str, data: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """Experts in Q4_1 (gate|up) and Q4_0 (down), the other 2-D weights in Q8_0, as llama.cpp's files mix them."""
+    qtype = 3 if name.endswith("experts.gate_up_proj") else 2 if name.endswith("experts.down_proj") else None
+    if qtype is None and (not name.endswith("_proj.weight") or data.shape[-1] % 32):
+        return None
+    flat = data.reshape(-1, data.shape[-1])  # each expert's rows in blocks along the input
+    blocks = quantize(flat, qtype or 8, np.random.default_rng(0))
+    return blocks.reshape(*data.shape[:-1], -1), qtype or 8
+
+
+@pytest.mark.parametrize(("arch", "gguf_arch"), [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+def test_native_gguf_moe_layers_match_python_bit_for_bit(arch: str, gguf_arch: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """MoE layers whose experts stay in their GGUF blocks (the native GGUF MoE kernel), float32 activations."""
+    cfg, cls = _moe_configs()[arch]()
+    if arch == "qwen3_moe":
+        cfg.moe_intermediate_size = 64  # whole 32-weight blocks along the down projection's input
+    # the vocabulary of the tokenizer the GGUF writer embeds for the arch
+    if gguf_arch == "llama":
+        cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id = len(spm_tokens("phi3")), 1, 3
+    else:
+        cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id = len(BPE_TOKENS), 257, 259
+    torch.manual_seed(0)
+    hf = cls(cfg).float().eval()
+    with torch.no_grad():  # random norms and routers (HF initializes some to 0 or 1)
+        for n, p in hf.named_parameters():
+            if "norm" in n or n.endswith("gate.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, gguf_arch, hf, _quantized_moe)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, num_kv_blocks=40, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=48, enable_prefix_caching=True)
+    model = llm.engine.runner.model
+    assert all(layer.moe is not None and layer.moe.gguf_experts is not None and layer.moe.native_experts
+               for layer in model.layers)
+    assert NativeDecodeLayers.why_not(model) is None
+    prompts = _prompts(7, model.vocab_size)
+    prompts.append(list(prompts[0]))
+    native, python, steps = _both_ways(llm, prompts, monkeypatch)
+    assert steps > 10
+    assert native == python
+    assert llm.engine.get_stats().num_preempted_total > 0

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cpu_simd.h"
+#include "moe_gguf_args.h"
 
 int kvpilot_gguf_gemm(int qtype, const uint8_t *w, int64_t ws, int N, int K, const void *x, int64_t xs, int M,
                       const void *bias, const void *res, int64_t rs, void *y, int64_t ys, int bf16, int num_threads);
@@ -66,7 +67,9 @@ enum {
     L_GEMMS = 24,
 };
 /* A MoE layer's record: what kvpilot_moe_route_f32 and kvpilot_moe_panels_f32 take besides the rows */
-enum { M_EXPERTS, M_TOPK, M_TOPK_FIRST, M_RENORMALIZE, M_INTER, M_W13, M_W13_BIAS, M_W2, M_W2_BIAS, M_SLOTS };
+enum { M_EXPERTS, M_TOPK, M_TOPK_FIRST, M_RENORMALIZE, M_INTER, M_W13, M_W13_BIAS, M_W2, M_W2_BIAS,
+       M_GGUF, /* GGUF experts: kvpilot_moe_gguf_packed's arguments, the blocks filled in (0: float32 panels) */
+       M_SLOTS };
 enum { MAX_SEGMENTS = 4, GEMM_SLOTS = 2 + 5 * MAX_SEGMENTS, PANELS = -1 };
 enum { G_QKV, G_O, G_GATE_UP, G_DOWN, LAYER_SLOTS = L_GEMMS + 4 * GEMM_SLOTS };
 
@@ -84,6 +87,8 @@ void kvpilot_moe_route_f32(const float *logits, int64_t ls, int T, int E, int k,
 int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int E, int topk, const int64_t *ids,
                            const float *weights, const float *w13p, const float *w13_bias, const float *w2p,
                            const float *w2_bias, float *out, int64_t os, int num_threads);
+
+int kvpilot_moe_gguf_packed(const int64_t *a);
 
 int kvpilot_decode_layer_slots(void) { return LAYER_SLOTS; }
 int kvpilot_decode_step_slots(void) { return S_SLOTS_COUNT; }
@@ -159,6 +164,14 @@ static int moe_mlp(const int64_t *mr, const int64_t *router, const char *normed,
     const int rc = gemm(router, normed, H, M, H, NULL, 0, (char *)logits, E, 0, nt);
     if (rc) return rc;
     kvpilot_moe_route_f32(logits, E, M, E, k, (int)mr[M_TOPK_FIRST], (int)mr[M_RENORMALIZE], ids, weights);
+    if (mr[M_GGUF]) { /* the step's rows and routing into a copy of the layer's argument record */
+        int64_t args[MG_ARGS];
+        memcpy(args, PTR(mr[M_GGUF]), sizeof args);
+        args[MG_X] = (int64_t)(intptr_t)normed, args[MG_XS] = H, args[MG_T] = M, args[MG_TOPK] = k;
+        args[MG_IDS] = (int64_t)(intptr_t)ids, args[MG_WEIGHTS] = (int64_t)(intptr_t)weights;
+        args[MG_OUT] = step[S_MOE_OUT], args[MG_OS] = H, args[MG_THREADS] = nt;
+        return kvpilot_moe_gguf_packed(args) ? -3 : 0;
+    }
     return kvpilot_moe_panels_f32((const float *)normed, H, M, H, (int)mr[M_INTER], E, k, ids, weights,
                                   PTR(mr[M_W13]), PTR(mr[M_W13_BIAS]), PTR(mr[M_W2]), PTR(mr[M_W2_BIAS]),
                                   PTR(step[S_MOE_OUT]), H, nt) ? -3 : 0;

@@ -24,7 +24,10 @@
 #endif
 
 #include "cpu_simd.h"
+#include "moe_gguf_args.h"
 #include "panel_kernel.h"
+
+#define PTR_OF(v) ((void *)(intptr_t)(v))
 
 #ifndef XS_PAD
 #define XS_PAD 16
@@ -196,4 +199,117 @@ void kvpilot_moe_route_f32(const float *logits, int64_t ls, int T, int E, int k,
                 for (int j = 0; j < k; j++) w[j] /= s;
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------- GGUF experts */
+
+int kvpilot_gguf_gemm(int qtype, const uint8_t *w, int64_t ws, int N, int K, const void *x, int64_t xs, int M,
+                      const void *bias, const void *res, int64_t rs, void *y, int64_t ys, int bf16, int num_threads);
+
+int kvpilot_moe_gguf_args(void) { return MG_ARGS; }
+
+/* [lo, hi) of n rows for thread t of nt, the inner boundaries at multiples of 16 rows (the GEMM's row tiles) */
+static void row_share(int n, int t, int nt, int *lo, int *hi) {
+    *lo = t == 0 ? 0 : (int)((int64_t)n * t / nt) & ~15;
+    *hi = t == nt - 1 ? n : (int)((int64_t)n * (t + 1) / nt) & ~15;
+}
+
+/* A MoE layer's routed SiLU experts on their GGUF blocks, as kernels/gguf_moe.py's fused_moe_gguf computes them:
+ * per expert with tokens the GGUF GEMM of its rows by its gate, up and down blocks (float32 products and sums,
+ * stored in the rows' dtype), SiLU(gate) * up in float32 rounded to the rows' dtype, and each token's weighted
+ * sum over its experts in float32 (in ascending expert order), rounded once. x and out are float32 rows, or
+ * bfloat16 with MG_BF16; each projection's blocks [E][rows][row bytes] (expert stride _ES, row stride _RS bytes).
+ * Threads split each GEMM's output rows. Returns 0; -1 for an expert id outside [0, E); -2 without scratch
+ * memory; -3 where the GGUF GEMM refuses a type or shape. */
+int kvpilot_moe_gguf_packed(const int64_t *a) {
+    const int T = (int)a[MG_T], H = (int)a[MG_H], I = (int)a[MG_I], E = (int)a[MG_E], topk = (int)a[MG_TOPK];
+    const int bf16 = (int)a[MG_BF16], pairs = T * topk, I2 = 2 * I;
+    const size_t el = bf16 ? 2 : 4;
+    const int64_t *ids = PTR_OF(a[MG_IDS]);
+    const float *weights = PTR_OF(a[MG_WEIGHTS]);
+    const char *x = PTR_OF(a[MG_X]);
+    char *out = PTR_OF(a[MG_OUT]);
+    const int64_t xs = a[MG_XS], os = a[MG_OS];
+    for (int i = 0; i < pairs; i++)
+        if (ids[i] < 0 || ids[i] >= E) return -1;
+    if (pairs == 0) return 0;
+    /* rows in the activations' dtype: gathered x, gate|up, SiLU * up, down; then the float32 sums and the sort */
+    const size_t rows_bytes = el * (size_t)pairs * (size_t)(H + I2 + I + H), acc_bytes = 4 * (size_t)T * H;
+    char *mem = scratch_for(rows_bytes + acc_bytes + sizeof(int) * ((size_t)(2 * E + 1) + (size_t)pairs));
+    if (!mem) return -2;
+    char *xg = mem, *gu = xg + el * (size_t)pairs * H, *act = gu + el * (size_t)pairs * I2;
+    char *y = act + el * (size_t)pairs * I;
+    float *acc = (float *)(mem + rows_bytes);
+    int *start = (int *)(mem + rows_bytes + acc_bytes), *next = start + E + 1, *order = next + E;
+    memset(start, 0, sizeof(int) * (size_t)(E + 1));
+    for (int i = 0; i < pairs; i++) start[ids[i] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    memcpy(next, start, sizeof(int) * (size_t)E);
+    for (int i = 0; i < pairs; i++) order[next[ids[i]]++] = i;
+    int num_threads = (int)a[MG_THREADS], failed = 0;
+    if (num_threads < 1) num_threads = 1;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#endif
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int t = 0, nt = 1;
+#endif
+        const int r_lo = (int)((int64_t)pairs * t / nt), r_hi = (int)((int64_t)pairs * (t + 1) / nt);
+        for (int r = r_lo; r < r_hi; r++)
+            memcpy(xg + el * (size_t)r * H, x + el * (size_t)(order[r] / topk) * xs, el * (size_t)H);
+#ifdef _OPENMP
+        #pragma omp barrier
+#endif
+        int lo, hi;
+        row_share(I, t, nt, &lo, &hi);
+        for (int e = 0; e < E && lo < hi; e++) {
+            const int p0 = start[e], m = start[e + 1] - p0;
+            if (!m) continue;
+            const char *xe = xg + el * (size_t)p0 * H;
+            char *ge = gu + el * (size_t)p0 * I2;
+            failed |= kvpilot_gguf_gemm((int)a[MG_GATE_TYPE], (const uint8_t *)PTR_OF(a[MG_GATE]) + e * a[MG_GATE_ES]
+                                        + lo * a[MG_GATE_RS], a[MG_GATE_RS], hi - lo, H, xe, H, m, NULL, NULL, 0,
+                                        ge + el * lo, I2, bf16, 1) != 0;
+            failed |= kvpilot_gguf_gemm((int)a[MG_UP_TYPE], (const uint8_t *)PTR_OF(a[MG_UP]) + e * a[MG_UP_ES]
+                                        + lo * a[MG_UP_RS], a[MG_UP_RS], hi - lo, H, xe, H, m, NULL, NULL, 0,
+                                        ge + el * (I + lo), I2, bf16, 1) != 0;
+        }
+#ifdef _OPENMP
+        #pragma omp barrier
+#endif
+        for (int r = r_lo; r < r_hi; r++) {
+            const char *g = gu + el * (size_t)r * I2;
+            char *o = act + el * (size_t)r * I;
+            for (int j = 0; j < I; j++) {
+                const float gate = load_io(g, j, bf16), up = load_io(g, I + j, bf16);
+                store_io(o, j, gate / (1.0f + expf(fminf(-gate, 88.0f))) * up, bf16);
+            }
+        }
+        row_share(H, t, nt, &lo, &hi);
+        for (int tok = 0; tok < T && lo < hi; tok++) memset(acc + (int64_t)tok * H + lo, 0, 4 * (size_t)(hi - lo));
+#ifdef _OPENMP
+        #pragma omp barrier
+#endif
+        for (int e = 0; e < E && lo < hi; e++) {
+            const int p0 = start[e], m = start[e + 1] - p0;
+            if (!m) continue;
+            char *ye = y + el * (size_t)p0 * H;
+            failed |= kvpilot_gguf_gemm((int)a[MG_DOWN_TYPE], (const uint8_t *)PTR_OF(a[MG_DOWN]) + e * a[MG_DOWN_ES]
+                                        + lo * a[MG_DOWN_RS], a[MG_DOWN_RS], hi - lo, I, act + el * (size_t)p0 * I, I,
+                                        m, NULL, NULL, 0, ye + el * lo, H, bf16, 1) != 0;
+            for (int r = 0; r < m; r++) {
+                const int pair = order[p0 + r];
+                const float w = weights[pair];
+                float *dst = acc + (int64_t)(pair / topk) * H;
+                const char *src = ye + el * (size_t)r * H;
+                for (int n = lo; n < hi; n++) dst[n] += load_io(src, n, bf16) * w;
+            }
+        }
+        for (int tok = 0; tok < T && lo < hi; tok++)
+            for (int n = lo; n < hi; n++) store_io(out + el * (size_t)tok * os, n, acc[(int64_t)tok * H + n], bf16);
+    }
+    return failed ? -3 : 0;
 }

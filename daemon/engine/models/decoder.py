@@ -542,8 +542,10 @@ class DecoderForCausalLM(nn.Module):
         if self.prepacked or not prepack_supported(self.device, self.dtype):
             return False
         if self.lm_head is None:  # a quantized head, or none on this stage: only the float layers pack
+            # with panels too where allowed: a GGUF MoE's float routers are its native decode loop's GEMMs
+            keep = self.dtype == torch.float32 and keep_panels(sum(layer.gemm_weight_bytes() for layer in self.layers))
             for layer in self.layers:
-                layer.prepack_weights(keep_panels=False)
+                layer.prepack_weights(keep_panels=keep)
             self.prepacked = True
             return True
         head = self.lm_head

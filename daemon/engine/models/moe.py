@@ -80,7 +80,8 @@ class MoEBlock(nn.Module):
         self.w13_bias = _param(experts, 2 * n, **kw) if moe.expert_bias else None
         self.w2_bias = _param(experts, hidden, **kw) if moe.expert_bias else None
         self.experts_packed = False  # see prepack_experts
-        self.native_experts = False  # float32 SiLU experts in panels: the native kernel's (prepack_experts)
+        # SiLU experts a native kernel runs: float32 ones in panels (prepack_experts), or GGUF blocks on the CPU
+        self.native_experts = False
         self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
         if moe.shared_expert_size:
             size = moe.shared_expert_size
@@ -189,6 +190,9 @@ class MoEBlock(nn.Module):
         self.gguf_loader = None
         if isinstance(built, GGUFExperts):
             self.gguf_experts = built
+            # SiLU experts on the CPU: a decode step's rows go to the native MoE kernel (kernels/gguf_moe.py)
+            self.native_experts = (self.moe.activation == "silu" and built.gate.is_cpu
+                                   and ops.gguf_moe_native_available())
             for name in ("gate", "up", "down"):  # buffers, so that the weight counts see them
                 self.register_buffer(f"gguf_{name}_experts", getattr(built, name), persistent=False)
         else:

@@ -9,10 +9,10 @@ once and only the step's record (rows, positions' RoPE factors, block tables) pe
 It takes layers whose weights the native GGUF GEMM multiplies as they are (GGUF, AWQ and GPTQ without
 desc_act: ``QuantMethod.native_blocks``) or float32 weights with panel copies (``native_panels``); pre-norm
 or sandwich RMSNorms (float32 weights under bfloat16 rows too), per-head q/k norms or none, SwiGLU or GeGLU,
-soft-capped attention, MoE layers whose float32 experts the native MoE kernel runs (no shared expert); no
-sinks; one rank; caches of the activations' dtype. ``why_not`` names what
-keeps a model out. Such a model, and any step with prefill rows, LoRA rows, or more rows than the GEMMs'
-small-step paths take, runs through Python as before.
+soft-capped attention, MoE layers whose SiLU experts a native MoE kernel runs (float32 panels or GGUF blocks,
+float32 activations, no shared expert); no sinks; one rank; caches of the activations' dtype. ``why_not``
+names what keeps a model out. Such a model, and any step with prefill rows, LoRA rows, or more rows than the
+GEMMs' small-step paths take, runs through Python as before.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
  L_WINDOW, L_ROPE, L_INTER, L_HIDDEN, L_NUM_SLOTS, L_Q_NORM, L_K_NORM, L_POST_ATTN_NORM, L_POST_MLP_NORM, L_NORM_F32,
  L_GELU, L_SOFT_CAP, L_MOE) = range(23)
 L_GEMMS = 24
-(M_EXPERTS, M_TOPK, M_TOPK_FIRST, M_RENORMALIZE, M_INTER, M_W13, M_W13_BIAS, M_W2, M_W2_BIAS, M_SLOTS) = range(10)
+(M_EXPERTS, M_TOPK, M_TOPK_FIRST, M_RENORMALIZE, M_INTER, M_W13, M_W13_BIAS, M_W2, M_W2_BIAS, M_GGUF,
+ M_SLOTS) = range(11)
 _PANELS = -1  # a GEMM record's segment count for float32 panels
 (S_ROWS, S_X, S_H, S_NORMED, S_QKV, S_ATTN, S_GATE_UP, S_ACT, S_CIS, S_SLOTS, S_BLOCK_TABLES, S_BT_STRIDE,
  S_CONTEXT_LENS, S_QSL, S_SEQS, S_BF16, S_THREADS, S_QK, S_MOE_LOGITS, S_MOE_IDS, S_MOE_WEIGHTS, S_MOE_OUT) = range(22)
@@ -65,8 +66,11 @@ def _norms(layer: DecoderLayer) -> list[torch.Tensor]:
 def _moe_why_not(layer: DecoderLayer, dtype: torch.dtype) -> str | None:
     moe = layer.moe
     assert moe is not None
-    if dtype is not torch.float32 or not moe.native_experts:
-        return "mixture-of-experts layers whose experts the native kernel does not run (float32 SiLU experts)"
+    if not moe.native_experts:
+        return ("mixture-of-experts layers whose experts the native kernels do not run (SiLU experts, float32 in "
+                "panels or on GGUF blocks)")
+    if dtype is not torch.float32:
+        return "a mixture-of-experts router under bfloat16 activations"
     if moe.shared_gate_up is not None:
         return "a shared expert beside the routed ones"
     return None
@@ -219,11 +223,19 @@ class NativeDecodeLayers:
     def _moe_record(self, block: MoEBlock) -> int:
         """The address of a MoE layer's record (kept alive here), whose experts ``_moe_why_not`` accepted."""
         moe, w13, w2 = block.moe, block.w13, block.w2
-        assert isinstance(w13, ops.PackedExperts) and isinstance(w2, ops.PackedExperts)
-        assert w13.panels is not None and w2.panels is not None
         rec = np.zeros(M_SLOTS, dtype=np.int64)
         rec[M_EXPERTS], rec[M_TOPK], rec[M_INTER] = moe.num_experts, moe.top_k, block.local_inter
         rec[M_TOPK_FIRST], rec[M_RENORMALIZE] = int(moe.routing == "topk_softmax"), int(moe.renormalize)
+        self._moe_records.append(rec)
+        if block.gguf_experts is not None:  # the blocks: the native GGUF MoE kernel's own argument record
+            ex = block.gguf_experts
+            self._keep += [ex.gate, ex.up, ex.down]
+            args = np.array(ops.gguf_moe_native_args(ex, self.dtype), dtype=np.int64)
+            self._moe_records.append(args)
+            rec[M_GGUF] = args.ctypes.data
+            return int(rec.ctypes.data)
+        assert isinstance(w13, ops.PackedExperts) and isinstance(w2, ops.PackedExperts)
+        assert w13.panels is not None and w2.panels is not None
         rec[M_W13], rec[M_W2] = w13.panels.data_ptr(), w2.panels.data_ptr()
         # the down bias is added by rank 0 only in the Python layer: the native loop runs one rank
         for slot, bias in ((M_W13_BIAS, block.w13_bias), (M_W2_BIAS, block.w2_bias)):
@@ -232,7 +244,6 @@ class NativeDecodeLayers:
                 self._keep.append(bias)
                 rec[slot] = bias.data_ptr()
         self._keep += [w13.panels, w2.panels]
-        self._moe_records.append(rec)
         return int(rec.ctypes.data)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
