@@ -22,8 +22,12 @@ Workload: 16 requests, prompts of 32-128 random token ids, 32 output tokens each
 Step times are wall time and this process's CPU time (all its threads', spin-waits included): on a shared host
 time-slicing inflates the first, not the second; with ``--threads 1`` the CPU time is the step's own cost.
 
-Usage: python bench/moe_model.py [--threads 2] [--rounds 5] [--peers kvpilot,hf,vllm] [--extra-run]
-Writes bench/results/moe_model.json (``--extra-run``: adds the run to the file's ``extra_runs``).
+``--dtype bfloat16`` runs every peer in bfloat16 (the models are saved in float32 either way).
+
+Usage: python bench/moe_model.py [--threads 2] [--rounds 5] [--peers kvpilot,hf,vllm] [--dtype float32]
+       [--extra-run]
+Writes bench/results/moe_model.json, or moe_model_bf16.json (``--extra-run``: adds the run to the file's
+``extra_runs``).
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def workload(seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 def kvpilot_child(models: dict[str, Any], work: list[tuple[list[int], int]], threads: int,
-                  rounds: int) -> dict[str, Any]:
+                  rounds: int, dtype: str = "float32") -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
@@ -119,7 +123,7 @@ def kvpilot_child(models: dict[str, Any], work: list[tuple[list[int], int]], thr
     for variant, model, packed in (("moe_packed", "moe", True), ("moe_dense_experts", "moe", False),
                                    ("dense", "dense", True)):
         pack_experts = packed
-        llm = LLM(model=models[model]["path"], dtype="float32", max_model_len=512, num_kv_blocks=1024,
+        llm = LLM(model=models[model]["path"], dtype=dtype, max_model_len=512, num_kv_blocks=1024,
                   max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
         layers = llm.engine.runner.model.layers
         moes = [layer.moe for layer in layers if layer.moe is not None]
@@ -184,12 +188,13 @@ def kvpilot_child(models: dict[str, Any], work: list[tuple[list[int], int]], thr
 
 # ------------------------------------------------------------------------------------------------ HF
 
-def hf_child(models: dict[str, Any], work: list[tuple[list[int], int]], threads: int) -> dict[str, Any]:
+def hf_child(models: dict[str, Any], work: list[tuple[list[int], int]], threads: int,
+             dtype: str = "float32") -> dict[str, Any]:
     import torch
     import transformers as tf
 
     torch.set_num_threads(threads)
-    model = tf.AutoModelForCausalLM.from_pretrained(models["moe"]["path"], dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(models["moe"]["path"], dtype=getattr(torch, dtype)).eval()
     longest = max(len(p) for p, _ in work)
     ids = torch.zeros(len(work), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -218,11 +223,12 @@ def hf_child(models: dict[str, Any], work: list[tuple[list[int], int]], threads:
 
 _VLLM = r'''
 import json, sys, time
-work, model_dir, threads, out = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+work, model_dir, threads, dtype = json.load(open(sys.argv[1])), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+out = sys.argv[5]
 t0 = time.perf_counter()
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-llm = LLM(model=model_dir, dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=512,
+llm = LLM(model=model_dir, dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=512,
           enable_prefix_caching=False, seed=0)
 start_s = time.perf_counter() - t0
 prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in work]
@@ -242,24 +248,26 @@ json.dump({"seconds": sec, "seconds_runs": runs, "output_tokens": tok, "output_t
 '''
 
 
-def run_vllm(models: dict[str, Any], work_file: Path, threads: int, timeout: int) -> dict[str, Any]:
+def run_vllm(models: dict[str, Any], work_file: Path, threads: int, timeout: int,
+             dtype: str = "float32") -> dict[str, Any]:
     venv = ensure_venv("vllm")
     env = vllm_env(venv, threads)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    return _run_script(venv / "bin" / "python", _VLLM, [str(work_file), models["moe"]["path"], str(threads)], env,
-                       timeout=timeout)
+    return _run_script(venv / "bin" / "python", _VLLM, [str(work_file), models["moe"]["path"], str(threads), dtype],
+                       env, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def _child(kind: str, models: dict[str, Any], work_file: Path, threads: int, rounds: int, timeout: int) -> dict:
+def _child(kind: str, models: dict[str, Any], work_file: Path, threads: int, rounds: int, timeout: int,
+           dtype: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvpilot-moe-") as tmp:
         out = Path(tmp) / "out.json"
         models_file = Path(tmp) / "models.json"
         models_file.write_text(json.dumps(models))
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", kind, "--models",
                                str(models_file), "--work", str(work_file), "--child-out", str(out), "--threads",
-                               str(threads), "--rounds", str(rounds)], cwd=tmp,
+                               str(threads), "--rounds", str(rounds), "--dtype", dtype], cwd=tmp,
                               env=_base_env(threads, keep_pythonpath=True), capture_output=True, text=True,
                               timeout=timeout)
         if proc.returncode != 0 or not out.exists():
@@ -273,6 +281,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--peers", default="kvpilot,hf,vllm")
     ap.add_argument("--vllm-timeout", type=int, default=1200)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the peers' dtype (bfloat16 writes moe_model_bf16.json)")
     ap.add_argument("--extra-run", action="store_true",
                     help="keep the results file's main run and add this one under 'extra_runs'")
     ap.add_argument("--child")
@@ -283,20 +293,21 @@ def main() -> None:
     if args.child:
         models = json.loads(Path(args.models).read_text())
         work = [tuple(w) for w in json.loads(Path(args.work).read_text())]
-        res = kvpilot_child(models, work, args.threads, args.rounds) if args.child == "kvpilot" \
-            else hf_child(models, work, args.threads)
+        res = kvpilot_child(models, work, args.threads, args.rounds, args.dtype) if args.child == "kvpilot" \
+            else hf_child(models, work, args.threads, args.dtype)
         Path(args.child_out).write_text(json.dumps(res))
         return
     peers = args.peers.split(",")
     work = workload()
     out: dict[str, Any] = {
         "command": f"python bench/moe_model.py --threads {args.threads} --rounds {args.rounds} --peers {args.peers}"
+                   + (f" --dtype {args.dtype}" if args.dtype != "float32" else "")
                    + (" --extra-run" if args.extra_run else ""),
         "run": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "threads": args.threads,
         "machine": platform.processor() or platform.machine(),
         "shape": {"hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "vocab": VOCAB, "experts": EXPERTS, "top_k": TOP_K, "moe_intermediate": MOE_INTER,
-                  "dense_intermediate": TOP_K * MOE_INTER, "dtype": "float32"},
+                  "dense_intermediate": TOP_K * MOE_INTER, "dtype": args.dtype},
         "step": {"prompt_tokens": STEP_PROMPT, "tokens": STEP_TOKENS, "batches": list(STEP_BATCHES)},
         "workload": {"requests": WORK_REQUESTS, "prompt_tokens": [len(p) for p, _ in work][:WORK_REQUESTS],
                      "output_tokens_each": WORK_OUT},
@@ -314,11 +325,11 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 if peer == "kvpilot":
-                    res = _child("kvpilot", models, work_file, args.threads, args.rounds, 3600)
+                    res = _child("kvpilot", models, work_file, args.threads, args.rounds, 3600, args.dtype)
                 elif peer == "hf":
-                    res = _child("hf", models, work_file, args.threads, args.rounds, 3600)
+                    res = _child("hf", models, work_file, args.threads, args.rounds, 3600, args.dtype)
                 elif peer == "vllm":
-                    res = run_vllm(models, work_file, args.threads, args.vllm_timeout)
+                    res = run_vllm(models, work_file, args.threads, args.vllm_timeout, args.dtype)
                 else:
                     raise ValueError(peer)
             except (RuntimeError, subprocess.SubprocessError, OSError) as e:
@@ -349,12 +360,13 @@ def main() -> None:
     out["ratios"] = ratios
     out["targets"] = {"moe_step_over_dense": "<= 1.5", "kvpilot_over_hf_tok_s": ">= 4", "kvpilot_over_vllm_tok_s": ">= 1"}
     print(json.dumps(ratios, indent=1))
-    if args.extra_run and RESULTS.exists():
-        main_run = json.loads(RESULTS.read_text())
+    results = RESULTS if args.dtype == "float32" else RESULTS.with_name("moe_model_bf16.json")
+    if args.extra_run and results.exists():
+        main_run = json.loads(results.read_text())
         main_run.setdefault("extra_runs", []).append(out)
         out = main_run
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    results.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {results}")
 
 
 if __name__ == "__main__":
