@@ -118,6 +118,18 @@ def _both_ways(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPat
     return native, python, native_steps
 
 
+def _assert_native_matches_python(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seven prompts and a repeated one (a prefix-cache hit) through ``llm`` (built with a 48-token budget and a
+    cache too small for all at once): the native layers took most decode steps, their outputs equal the Python
+    layers' bit for bit, and some sequence was preempted."""
+    prompts = _prompts(7, llm.engine.runner.model.vocab_size)
+    prompts.append(list(prompts[0]))
+    native, python, steps = _both_ways(llm, prompts, monkeypatch)
+    assert steps > 10
+    assert native == python
+    assert llm.engine.get_stats().num_preempted_total > 0
+
+
 @pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("bfloat16", None), ("float32", "none")],
                          ids=["gguf-float32", "gguf-bfloat16", "panels-float32"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "gemma2"])
@@ -132,13 +144,7 @@ def test_native_layers_match_python_bit_for_bit(arch: str, dtype: str, quantizat
               block_size=8, max_num_seqs=8, max_num_batched_tokens=48, enable_prefix_caching=True)
     model = llm.engine.runner.model
     assert NativeDecodeLayers.why_not(model) is None
-    vocab = model.vocab_size
-    prompts = _prompts(7, vocab)
-    prompts.append(list(prompts[0]))  # a prefix-cache hit
-    native, python, steps = _both_ways(llm, prompts, monkeypatch)
-    assert steps > 10
-    assert native == python
-    assert llm.engine.get_stats().num_preempted_total > 0
+    _assert_native_matches_python(llm, monkeypatch)
 
 
 def test_models_the_native_layers_leave_to_python_say_why(gguf_model: Callable[[str], Path], tmp_path: Path) -> None:
@@ -206,12 +212,7 @@ def test_native_moe_layers_match_python_bit_for_bit(arch: str, moe_model: Callab
     model = llm.engine.runner.model
     assert all(layer.moe is not None and layer.moe.native_experts for layer in model.layers)
     assert NativeDecodeLayers.why_not(model) is None
-    prompts = _prompts(7, model.vocab_size)
-    prompts.append(list(prompts[0]))
-    native, python, steps = _both_ways(llm, prompts, monkeypatch)
-    assert steps > 10
-    assert native == python
-    assert llm.engine.get_stats().num_preempted_total > 0
+    _assert_native_matches_python(llm, monkeypatch)
 
 
 def test_moe_models_the_native_layers_leave_to_python_say_why(moe_model: Callable[[str], tuple[Path, Any]]) -> None:
@@ -263,9 +264,4 @@ def test_native_gguf_moe_layers_match_python_bit_for_bit(arch: str, gguf_arch: s
     assert all(layer.moe is not None and layer.moe.gguf_experts is not None and layer.moe.native_experts
                for layer in model.layers)
     assert NativeDecodeLayers.why_not(model) is None
-    prompts = _prompts(7, model.vocab_size)
-    prompts.append(list(prompts[0]))
-    native, python, steps = _both_ways(llm, prompts, monkeypatch)
-    assert steps > 10
-    assert native == python
-    assert llm.engine.get_stats().num_preempted_total > 0
+    _assert_native_matches_python(llm, monkeypatch)

@@ -33,6 +33,7 @@
 
 #include "cpu_simd.h"
 #include "panel_kernel.h"
+#include "thread_scratch.h"
 
 #if USE_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
 #define LORA_512 1
@@ -468,19 +469,6 @@ static void expand_share(const lora_job *j, int p_lo, int p_hi, uint32_t *panels
     }
 }
 
-/* a thread-owned scratch that only grows: a call per projection must not pay for malloc and page faults */
-static __thread void *scratch;
-static __thread size_t scratch_bytes;
-
-static void *scratch_of(size_t bytes) {
-    if (bytes > scratch_bytes) {
-        free(scratch);
-        scratch = malloc(bytes);
-        scratch_bytes = scratch ? bytes : 0;
-    }
-    return scratch;
-}
-
 /* y [T, N] (rows ys elements apart) += per segment (x [T, K] rows xs apart) . A[slot]^T . B[slot]^T, A [S, R, K],
  * B [S, N, R], all float32 or all bfloat16; segs = starts [nseg + 1] then slots [nseg]. Returns 0, -1 when the
  * scratch cannot be allocated, -2 for a segment table that does not fit T rows and S slots. */
@@ -508,7 +496,7 @@ static int lora_shrink_expand(void *y, int64_t ys, const void *x, int64_t xs, co
      * share), 64-byte aligned */
     const size_t t_bytes = ((size_t)T * R * (pairs ? 2 : 4) + 63) & ~(size_t)63;
     const size_t panel_elems = (size_t)R * PANEL;
-    char *buf = scratch_of(t_bytes + (size_t)panels * panel_elems * 4);
+    char *buf = thread_scratch(t_bytes + (size_t)panels * panel_elems * 4);
     if (!buf) return -1;
     if (pairs) j.tb = (uint16_t *)buf;
     else j.t = (float *)buf;

@@ -26,6 +26,7 @@
 #include "cpu_simd.h"
 #include "moe_gguf_args.h"
 #include "panel_kernel.h"
+#include "thread_scratch.h"
 
 #define PTR_OF(v) ((void *)(intptr_t)(v))
 
@@ -33,38 +34,16 @@
 #define XS_PAD 16
 #endif
 
-/* The calling thread's scratch of at least `bytes`, kept between calls: a prefill's rows are tens of MB, which a
- * fresh allocation maps and faults in page by page on every layer (0.8x the speed of the reused buffer). */
-static _Thread_local char *scratch_mem;
-static _Thread_local size_t scratch_size;
-
-static char *scratch_for(size_t bytes) {
-    if (bytes > scratch_size) {
-        free(scratch_mem);
-        scratch_mem = malloc(bytes);
-        scratch_size = scratch_mem ? bytes : 0;
-    }
-    return scratch_mem;
-}
-
 void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out, int num_threads);
 
-/* y[m][n] = x[m] . w[n] (+ bias[n]) for the M rows of x and the columns of panels [p_lo, p_hi) */
-static void panels_product(const float *x, int64_t xs, int M, const float *wp, int K, int N, const float *bias,
-                           int p_lo, int p_hi, float *y, int64_t ys) {
-    float tile[PANEL_MB * PANEL];
-    for (int p = p_lo; p < p_hi; p++) {
-        const float *panel = wp + (int64_t)p * K * PANEL;
-        const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int m0 = 0; m0 < M; m0 += PANEL_MB) {
-            const int mb = M - m0 < PANEL_MB ? M - m0 : PANEL_MB;
-            panel_rows_n(x + (int64_t)m0 * xs, xs, mb, panel, K, tile, PANEL, NULL);
-            for (int m = 0; m < mb; m++) {
-                float *dst = y + (int64_t)(m0 + m) * ys + n0;
-                for (int j = 0; j < nc; j++) dst[j] = tile[m * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
-            }
-        }
-    }
+/* The (token, slot) pairs sorted by expert, a stable counting sort (token order within an expert): expert e's
+ * pairs are order[start[e] .. start[e + 1]); next [E] is scratch. */
+static void sort_by_expert(const int64_t *ids, int pairs, int E, int *start, int *next, int *order) {
+    memset(start, 0, sizeof(int) * (size_t)(E + 1));
+    for (int i = 0; i < pairs; i++) start[ids[i] + 1]++;
+    for (int e = 0; e < E; e++) start[e + 1] += start[e];
+    memcpy(next, start, sizeof(int) * (size_t)E);
+    for (int i = 0; i < pairs; i++) order[next[ids[i]]++] = i;
 }
 
 /* out[token][n] += (act[m] . w2[n] + bias[n]) * weight, for the M sorted pairs `pairs` of one expert and the
@@ -107,17 +86,12 @@ int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int 
     const int64_t XS = H + XS_PAD, AS = I + XS_PAD;
     const size_t ints = (size_t)(2 * E + 1) + (size_t)pairs;
     const size_t bytes = sizeof(float) * (size_t)pairs * (size_t)(XS + I2 + AS) + sizeof(int) * ints;
-    char *mem = scratch_for(bytes);
+    char *mem = (char *)thread_scratch(bytes);
     if (!mem) return -2;
     float *scratch = (float *)mem;
     int *start = (int *)(mem + sizeof(float) * (size_t)pairs * (size_t)(XS + I2 + AS)), *next = start + E + 1;
     int *order = next + E;
-    /* the pairs sorted by expert (a stable counting sort: token order within an expert) */
-    memset(start, 0, sizeof(int) * (size_t)(E + 1));
-    for (int i = 0; i < pairs; i++) start[ids[i] + 1]++;
-    for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    memcpy(next, start, sizeof(int) * (size_t)E);
-    for (int i = 0; i < pairs; i++) order[next[ids[i]]++] = i;
+    sort_by_expert(ids, pairs, E, start, next, order);
     float *xg = scratch, *gu = xg + (int64_t)pairs * XS, *act = gu + (int64_t)pairs * I2;
     if (num_threads < 1) num_threads = 1;
 #ifdef _OPENMP
@@ -138,9 +112,11 @@ int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int 
         const int a_lo = (int)((int64_t)p13 * t / nt), a_hi = (int)((int64_t)p13 * (t + 1) / nt);
         for (int e = 0; e < E; e++) {
             const int lo = start[e], m = start[e + 1] - lo;
-            if (m && a_lo < a_hi)
-                panels_product(xg + (int64_t)lo * XS, XS, m, w13p + e * w13_size, H, I2,
-                               w13_bias ? w13_bias + (int64_t)e * I2 : NULL, a_lo, a_hi, gu + (int64_t)lo * I2, I2);
+            if (m && a_lo < a_hi) {
+                const float *bias = w13_bias ? w13_bias + (int64_t)e * I2 : NULL;
+                panel_gemm_share(xg + (int64_t)lo * XS, XS, w13p + e * w13_size, bias, NULL, 0, gu + (int64_t)lo * I2,
+                                 I2, m, I2, H, a_lo, a_hi);
+            }
         }
 #ifdef _OPENMP
         #pragma omp barrier
@@ -235,17 +211,13 @@ int kvpilot_moe_gguf_packed(const int64_t *a) {
     if (pairs == 0) return 0;
     /* rows in the activations' dtype: gathered x, gate|up, SiLU * up, down; then the float32 sums and the sort */
     const size_t rows_bytes = el * (size_t)pairs * (size_t)(H + I2 + I + H), acc_bytes = 4 * (size_t)T * H;
-    char *mem = scratch_for(rows_bytes + acc_bytes + sizeof(int) * ((size_t)(2 * E + 1) + (size_t)pairs));
+    char *mem = (char *)thread_scratch(rows_bytes + acc_bytes + sizeof(int) * ((size_t)(2 * E + 1) + (size_t)pairs));
     if (!mem) return -2;
     char *xg = mem, *gu = xg + el * (size_t)pairs * H, *act = gu + el * (size_t)pairs * I2;
     char *y = act + el * (size_t)pairs * I;
     float *acc = (float *)(mem + rows_bytes);
     int *start = (int *)(mem + rows_bytes + acc_bytes), *next = start + E + 1, *order = next + E;
-    memset(start, 0, sizeof(int) * (size_t)(E + 1));
-    for (int i = 0; i < pairs; i++) start[ids[i] + 1]++;
-    for (int e = 0; e < E; e++) start[e + 1] += start[e];
-    memcpy(next, start, sizeof(int) * (size_t)E);
-    for (int i = 0; i < pairs; i++) order[next[ids[i]]++] = i;
+    sort_by_expert(ids, pairs, E, start, next, order);
     int num_threads = (int)a[MG_THREADS], failed = 0;
     if (num_threads < 1) num_threads = 1;
 #ifdef _OPENMP

@@ -127,6 +127,36 @@ static inline void panel_rows_n(const float *x, int64_t xs, int mb, const float 
 }
 
 
+/* y [M, N] (rows ys apart) = x [M, K] (rows xs apart) . W^T (+ bias [N]) (+ res [M, N], rows rs apart) over the
+ * columns of panels [p_lo, p_hi) of W's panels wp ([ceil(N / PANEL)][K][PANEL]): one thread's share of a
+ * panel GEMM (small_gemm_cpu.c, moe_cpu.c). Rows beyond PANEL_MB go in groups over the same panel, which the
+ * first group has brought into L2. */
+static inline void panel_gemm_share(const float *x, int64_t xs, const float *wp, const float *bias, const float *res,
+                                    int64_t rs, float *y, int64_t ys, int M, int N, int K, int p_lo, int p_hi) {
+    float out[PANEL_MB * PANEL];
+    for (int p = p_lo; p < p_hi; p++) {
+        const float *panel = wp + (int64_t)p * K * PANEL;
+        const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int m0 = 0; m0 < M; m0 += PANEL_MB) {
+            const int mb = M - m0 < PANEL_MB ? M - m0 : PANEL_MB;
+            panel_rows_n(x + (int64_t)m0 * xs, xs, mb, panel, K, out, PANEL, NULL);
+            for (int m = 0; m < mb; m++) {
+                float *dst = y + (int64_t)(m0 + m) * ys + n0;
+                const float *acc = out + m * PANEL;
+                /* the residual is added on the tile while it is in L1; the compiler unswitches the tests */
+                const float *r = res ? res + (int64_t)(m0 + m) * rs + n0 : NULL;
+                for (int j = 0; j < nc; j++) {
+                    float v = acc[j];
+                    if (bias) v += bias[n0 + j];
+                    if (r) v += r[j];
+                    dst[j] = v;
+                }
+            }
+        }
+    }
+}
+
+
 #if USE_AVX2 && defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_PANEL_BF16 1
 /* panel_rows over bfloat16 pairs, for the dot-product instruction: x2[m * xs2 + k] holds x[m][2k] and

@@ -56,32 +56,6 @@ void kvpilot_pack_panels_f32(const float *w, int64_t w_stride, int N, int K, flo
     }
 }
 
-static void panel_share(const float *x, int64_t xs, const float *wp, const float *bias, const float *res,
-                        int64_t rs, float *y, int64_t ys, int M, int N, int K, int p_lo, int p_hi) {
-    float out[PANEL_MB * PANEL];
-    for (int p = p_lo; p < p_hi; p++) {
-        const float *panel = wp + (int64_t)p * K * PANEL;
-        const int n0 = p * PANEL, nc = N - n0 < PANEL ? N - n0 : PANEL;
-        for (int m0 = 0; m0 < M; m0 += PANEL_MB) {
-            const int mb = M - m0 < PANEL_MB ? M - m0 : PANEL_MB;
-            const float *xm = x + (int64_t)m0 * xs;
-            panel_rows_n(xm, xs, mb, panel, K, out, PANEL, NULL);
-            for (int m = 0; m < mb; m++) {
-                float *dst = y + (int64_t)(m0 + m) * ys + n0;
-                const float *acc = out + m * PANEL;
-                /* the residual is added on the tile while it is in L1; the compiler unswitches the tests */
-                const float *r = res ? res + (int64_t)(m0 + m) * rs + n0 : NULL;
-                for (int j = 0; j < nc; j++) {
-                    float v = acc[j];
-                    if (bias) v += bias[n0 + j];
-                    if (r) v += r[j];
-                    dst[j] = v;
-                }
-            }
-        }
-    }
-}
-
 /* x [M, K] rows xs floats apart; wp from kvpilot_pack_panels_f32 of a [N, K] weight; bias [N] or NULL;
  * res [M, N] rows rs floats apart, added to the product (a residual), or NULL; y [M, N] rows ys floats apart. */
 void kvpilot_panel_gemm_f32(const float *x, int64_t xs, const float *wp, const float *bias, const float *res,
@@ -93,10 +67,10 @@ void kvpilot_panel_gemm_f32(const float *x, int64_t xs, const float *wp, const f
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int lo = (int)((int64_t)panels * t / nt), hi = (int)((int64_t)panels * (t + 1) / nt);
-        if (lo < hi) panel_share(x, xs, wp, bias, res, rs, y, ys, M, N, K, lo, hi);
+        if (lo < hi) panel_gemm_share(x, xs, wp, bias, res, rs, y, ys, M, N, K, lo, hi);
     }
 #else
     (void)num_threads;
-    panel_share(x, xs, wp, bias, res, rs, y, ys, M, N, K, 0, panels);
+    panel_gemm_share(x, xs, wp, bias, res, rs, y, ys, M, N, K, 0, panels);
 #endif
 }
