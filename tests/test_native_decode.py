@@ -237,10 +237,12 @@ def _quantized_moe(name: str, data: np.ndarray) -> tuple[np.ndarray, int] | None
     return blocks.reshape(*data.shape[:-1], -1), qtype or 8
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("arch", "gguf_arch"), [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
-def test_native_gguf_moe_layers_match_python_bit_for_bit(arch: str, gguf_arch: str, tmp_path: Path,
+def test_native_gguf_moe_layers_match_python_bit_for_bit(arch: str, gguf_arch: str, dtype: str, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """MoE layers whose experts stay in their GGUF blocks (the native GGUF MoE kernel), float32 activations."""
+    """MoE layers whose experts stay in their GGUF blocks (the native GGUF MoE kernel), float32 and bfloat16
+    activations (the router then in float32, on panels)."""
     cfg, cls = _moe_configs()[arch]()
     if arch == "qwen3_moe":
         cfg.moe_intermediate_size = 64  # whole 32-weight blocks along the down projection's input
@@ -258,10 +260,10 @@ def test_native_gguf_moe_layers_match_python_bit_for_bit(arch: str, gguf_arch: s
     monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path / "cache"))
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(path, gguf_arch, hf, _quantized_moe)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256, num_kv_blocks=40, block_size=8, max_num_seqs=8,
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=256, num_kv_blocks=40, block_size=8, max_num_seqs=8,
               max_num_batched_tokens=48, enable_prefix_caching=True)
     model = llm.engine.runner.model
     assert all(layer.moe is not None and layer.moe.gguf_experts is not None and layer.moe.native_experts
-               for layer in model.layers)
+               and (layer.moe.router_panels is not None) == (dtype == "bfloat16") for layer in model.layers)
     assert NativeDecodeLayers.why_not(model) is None
     _assert_native_matches_python(llm, monkeypatch)

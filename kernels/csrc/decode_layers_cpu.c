@@ -63,7 +63,7 @@ enum {
     L_NORM_F32, /* 1: float32 norm weights under bfloat16 rows (Gemma's, scaled before the rounding) */
     L_GELU,     /* 1: GeGLU with tanh GELU (Gemma), 0: SwiGLU */
     L_SOFT_CAP, /* attention logits' tanh soft-cap (Gemma 2), 0: none */
-    L_MOE,      /* a MoE record (float32 panels; the router is the gate|up GEMM, no down GEMM), 0: a dense MLP */
+    L_MOE,      /* a MoE record; its router (float32 panels) is the gate|up GEMM, no down GEMM. 0: a dense MLP */
     L_GEMMS = 24,
 };
 /* A MoE layer's record: what kvpilot_moe_route_f32 and kvpilot_moe_panels_f32 take besides the rows */
@@ -157,11 +157,19 @@ static void add_normed(char *out, const char *a, const char *t, int M, int H, in
  * the routing and the experts, as models/moe.py's MoEBlock calls them. 0, or what failed as gemm's codes, -3
  * the experts' kernel. */
 static int moe_mlp(const int64_t *mr, const int64_t *router, const char *normed, int M, int H, const int64_t *step,
-                   int nt) {
+                   int bf16, int nt) {
     const int E = (int)mr[M_EXPERTS], k = (int)mr[M_TOPK];
     float *logits = PTR(step[S_MOE_LOGITS]), *weights = PTR(step[S_MOE_WEIGHTS]);
     int64_t *ids = PTR(step[S_MOE_IDS]);
-    const int rc = gemm(router, normed, H, M, H, NULL, 0, (char *)logits, E, 0, nt);
+    /* the router runs in float32 on panels: bfloat16 rows widened first (into the output rows, free until the
+     * experts write them), as MoEBlock widens them */
+    const char *rx = normed;
+    if (bf16) {
+        float *wide = PTR(step[S_MOE_OUT]);
+        for (int64_t j = 0; j < (int64_t)M * H; j++) wide[j] = bf16_to_f32(((const uint16_t *)normed)[j]);
+        rx = (const char *)wide;
+    }
+    const int rc = gemm(router, rx, H, M, H, NULL, 0, (char *)logits, E, 0, nt);
     if (rc) return rc;
     kvpilot_moe_route_f32(logits, E, M, E, k, (int)mr[M_TOPK_FIRST], (int)mr[M_RENORMALIZE], ids, weights);
     if (mr[M_GGUF]) { /* the step's rows and routing into a copy of the layer's argument record */
@@ -238,14 +246,15 @@ int kvpilot_decode_layers(const int64_t *layers, int n, const int64_t *step) {
             return 1000 * (i + 1) - rc;
         if (sandwich) add_normed(h, x, h, M, H, L[L_POST_ATTN_NORM], eps, bf16, f32w, normed, nt);
         rms_norm(h, H, M, H, L[L_MLP_NORM], eps, normed, bf16, f32w, nt);
-        if (L[L_MOE]) { /* x = h + the experts' rows (normed in a sandwich), float32 */
-            if ((rc = moe_mlp(PTR(L[L_MOE]), L + L_GEMMS + G_GATE_UP * GEMM_SLOTS, normed, M, H, step, nt)))
+        if (L[L_MOE]) { /* x = h + the experts' rows (normed in a sandwich), a bfloat16 sum rounded once */
+            if ((rc = moe_mlp(PTR(L[L_MOE]), L + L_GEMMS + G_GATE_UP * GEMM_SLOTS, normed, M, H, step, bf16, nt)))
                 return 1000 * (i + 1) - rc;
-            const float *y = PTR(step[S_MOE_OUT]), *hf = (const float *)h;
+            const char *y = PTR(step[S_MOE_OUT]);
             if (L[L_POST_MLP_NORM])
-                add_normed(x, h, (const char *)y, M, H, L[L_POST_MLP_NORM], eps, 0, f32w, normed, nt);
+                add_normed(x, h, y, M, H, L[L_POST_MLP_NORM], eps, bf16, f32w, normed, nt);
             else
-                for (int64_t j = 0; j < (int64_t)M * H; j++) ((float *)x)[j] = hf[j] + y[j];
+                for (int64_t j = 0; j < (int64_t)M * H; j++)
+                    store_io(x, j, load_io(h, j, bf16) + load_io(y, j, bf16), bf16);
             continue;
         }
         if ((rc = gemm(L + L_GEMMS + G_GATE_UP * GEMM_SLOTS, normed, H, M, H, NULL, 0, gu, 2 * inter, bf16, nt)))

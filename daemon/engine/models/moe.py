@@ -82,6 +82,8 @@ class MoEBlock(nn.Module):
         self.experts_packed = False  # see prepack_experts
         # SiLU experts a native kernel runs: float32 ones in panels (prepack_experts), or GGUF blocks on the CPU
         self.native_experts = False
+        # the router as float32 panels under bfloat16 rows with native GGUF experts (process_weights_after_loading)
+        self.register_buffer("router_panels", None, persistent=False)
         self.shared_gate_up = self.shared_down = self.shared_expert_gate = None
         if moe.shared_expert_size:
             size = moe.shared_expert_size
@@ -140,7 +142,11 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for normed rows ``x [T, hidden]`` (without the residual)."""
         moe = self.moe
-        logits = self.router(x)
+        logits = None
+        if self.router_panels is not None:  # bfloat16 rows widened, exactly
+            logits = ops.panel_gemm(x.float(), self.router_panels, moe.num_experts)
+        if logits is None:
+            logits = self.router(x)
         route = {"renormalize": moe.renormalize, "topk_before_softmax": moe.routing == "topk_softmax"}
         # experts the native kernel runs are routed natively too: the native decode loop repeats both bit for bit
         routed = ops.native_moe_route(logits, moe.top_k, **route) if self.native_experts else None
@@ -193,6 +199,11 @@ class MoEBlock(nn.Module):
             # SiLU experts on the CPU: a decode step's rows go to the native MoE kernel (kernels/gguf_moe.py)
             self.native_experts = (self.moe.activation == "silu" and built.gate.is_cpu
                                    and ops.gguf_moe_native_available())
+            router = self.router.weight
+            if self.native_experts and router.dtype is torch.bfloat16 and self.router.bias is None:
+                # under bfloat16 rows the router runs in float32 on panels (as llama.cpp routes in float32): the
+                # native decode loop takes float32 panels and GGUF blocks, and this keeps its bfloat16 steps too
+                self.router_panels = ops.pack_panels(router.detach().float())
             for name in ("gate", "up", "down"):  # buffers, so that the weight counts see them
                 self.register_buffer(f"gguf_{name}_experts", getattr(built, name), persistent=False)
         else:

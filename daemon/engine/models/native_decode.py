@@ -9,10 +9,10 @@ once and only the step's record (rows, positions' RoPE factors, block tables) pe
 It takes layers whose weights the native GGUF GEMM multiplies as they are (GGUF, AWQ and GPTQ without
 desc_act: ``QuantMethod.native_blocks``) or float32 weights with panel copies (``native_panels``); pre-norm
 or sandwich RMSNorms (float32 weights under bfloat16 rows too), per-head q/k norms or none, SwiGLU or GeGLU,
-soft-capped attention, MoE layers whose SiLU experts a native MoE kernel runs (float32 panels or GGUF blocks,
-float32 activations, no shared expert); no sinks; one rank; caches of the activations' dtype. ``why_not``
-names what keeps a model out. Such a model, and any step with prefill rows, LoRA rows, or more rows than the
-GEMMs' small-step paths take, runs through Python as before.
+soft-capped attention, MoE layers whose SiLU experts a native MoE kernel runs (float32 panels, or GGUF blocks
+under float32 or bfloat16 rows; no shared expert); no sinks; one rank; caches of the activations' dtype.
+``why_not`` names what keeps a model out. Such a model, and any step with prefill rows, LoRA rows, or more rows
+than the GEMMs' small-step paths take, runs through Python as before.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def _moe_why_not(layer: DecoderLayer, dtype: torch.dtype) -> str | None:
     if not moe.native_experts:
         return ("mixture-of-experts layers whose experts the native kernels do not run (SiLU experts, float32 in "
                 "panels or on GGUF blocks)")
-    if dtype is not torch.float32:
-        return "a mixture-of-experts router under bfloat16 activations"
+    if dtype is not torch.float32 and moe.router_panels is None:
+        return "a mixture-of-experts router under bfloat16 activations (float32 panels with GGUF experts only)"
     if moe.shared_gate_up is not None:
         return "a shared expert beside the routed ones"
     return None
@@ -92,6 +92,8 @@ def _layer_why_not(layer: DecoderLayer, dtype: torch.dtype, max_segments: int) -
             norm_dtypes <= {dtype} or (dtype is torch.bfloat16 and norm_dtypes == {torch.float32})):
         return "norm weights in another dtype than the activations"
     for proj in layer.projections():
+        if layer.moe is not None and proj is layer.moe.router and layer.moe.router_panels is not None:
+            continue  # the loop reads the router's float32 panels (_moe_why_not)
         blocks = proj.quant_method.native_blocks(proj)
         if blocks is None and proj.quant_method.native_panels(proj) is None:
             return f"{proj.quant_method.describe()} weights neither as GGUF blocks nor as float32 panels"
@@ -173,11 +175,13 @@ class NativeDecodeLayers:
         self._step[S_CIS] = self._cis_ptrs.ctypes.data
         self._step[S_BF16] = int(dtype is torch.bfloat16)
 
-    def _gemm_slots(self, proj: Linear) -> list[int]:
-        bias = 0 if proj.bias is None else proj.bias.data_ptr()
-        blocks = proj.quant_method.native_blocks(proj)
+    def _gemm_slots(self, proj: Linear, panels: torch.Tensor | None = None) -> list[int]:
+        """The GEMM record of ``proj``: its GGUF blocks or float32 panels, or ``panels`` given for it (a MoE
+        router's float32 panels under bfloat16 rows, which has no bias)."""
+        bias = 0 if proj.bias is None or panels is not None else proj.bias.data_ptr()
+        blocks = None if panels is not None else proj.quant_method.native_blocks(proj)
         if blocks is None:
-            panels = proj.quant_method.native_panels(proj)
+            panels = panels if panels is not None else proj.quant_method.native_panels(proj)
             assert panels is not None
             self._keep.append(panels)
             return [bias, _PANELS, panels.data_ptr(), proj.out_per_rank] + [0] * (5 * self._max_segments - 2)
@@ -215,7 +219,8 @@ class NativeDecodeLayers:
         for g, proj in enumerate((layer.qkv_proj, layer.o_proj, *mlp)):
             if proj is not None:  # a MoE layer's router is its gate|up GEMM, and it has no down GEMM
                 at = L_GEMMS + g * gemm_slots
-                rec[at:at + gemm_slots] = self._gemm_slots(proj)
+                panels = layer.moe.router_panels if layer.moe is not None and proj is layer.moe.router else None
+                rec[at:at + gemm_slots] = self._gemm_slots(proj, panels)
         if layer.moe is not None:
             rec[L_MOE] = self._moe_record(layer.moe)
         return rec
