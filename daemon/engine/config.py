@@ -121,7 +121,8 @@ class EngineConfig:
                 "oneDNN's blocked layout instead of repacking them on every call"})
     small_batch_gemm: bool | None = field(default=None, metadata={
         "help": "on the CPU, keep panel copies of the float32 GEMM weights for steps of a few rows (the "
-                "native panel GEMM). Default: when the copies take at most a tenth of physical memory"})
+                "native panel GEMM). Default: when the copies take at most a tenth of physical memory. "
+                "False also keeps float32 MoE experts dense (off the native MoE kernel, which reads panels)"})
     malloc_tuning: bool = field(default=True, metadata={
         "help": "on the CPU with glibc, keep freed activation buffers in the heap instead of unmapping them "
                 "(the process keeps its peak activation memory after a burst)"})
