@@ -215,7 +215,8 @@ def main() -> None:
                                  if "best_decode_tok_s" in r}
         print(json.dumps(result["vs_llamacpp"]))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / ("single_stream_moe.json" if args.moe else "single_stream.json")).write_text(json.dumps(result, indent=2))
+    name = "single_stream_moe.json" if args.moe else "single_stream.json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

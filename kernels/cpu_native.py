@@ -43,7 +43,8 @@ from .settings import current
 __all__ = [
     "available", "reset", "cache_dtypes", "supports", "paged_attention", "paged_decode", "paged_prefill",
     "greedy_stats", "silu_mul", "gelu_tanh_mul", "rms_norm", "rope_", "store_kv", "pack_panels", "panel_gemm",
-    "panel_gemm_max_rows", "moe_panels", "moe_route", "build_error", "gguf_fn", "gguf_dot_path", "lora_fn", "decode_layers_entry",
+    "panel_gemm_max_rows", "moe_panels", "moe_route", "moe_gguf_args", "build_error", "gguf_fn", "gguf_dot_path",
+    "lora_fn", "decode_layers_entry",
 ]
 
 logger = logging.getLogger(__name__)
@@ -500,7 +501,7 @@ def moe_panels(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, inter: int,
         raise ValueError(f"topk_ids holds expert ids outside [0, {e})")
     out = x.new_empty((t, h))
     # the kernel keeps its scratch rows between calls (csrc/moe_cpu.c): tokens go in chunks that hold it to 64 MB
-    chunk = max(1, _MOE_SCRATCH_BYTES // (k * 4 * (h + 2 * inter + inter + 32)))
+    chunk = max(1, _MOE_SCRATCH_BYTES // (k * 4 * (h + 3 * inter) + 4 * k))
     threads = torch.get_num_threads()
     for lo in range(0, t, chunk):
         hi = min(t, lo + chunk)

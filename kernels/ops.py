@@ -236,10 +236,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, src_to_dst: torch.Tensor) 
 
 # ------------------------------------------------------------------------------- mixture of experts
 # Routing is plain torch (moe.moe_route), or native for the layers whose experts run natively (cpu_native's
-# moe_route, which the native decode loop repeats bit for bit). fused_moe follows the attention switch: attention_backend=triton
-# forces Triton (tests run it on CPU tensors under TRITON_INTERPRET=1), torch forces the reference, cpu and
-# auto take the CPU path on CPU tensors and Triton on CUDA ones. The MoE Triton module loads on its own, so a
-# problem in the attention kernels' module does not take MoE down with it.
+# moe_route, which the native decode loop repeats bit for bit). fused_moe follows the attention switch:
+# attention_backend=triton forces Triton (tests run it on CPU tensors under TRITON_INTERPRET=1), torch forces the
+# reference, cpu and auto take the CPU path on CPU tensors and Triton on CUDA ones. The MoE Triton module loads on
+# its own, so a problem in the attention kernels' module does not take MoE down with it.
 from . import moe, moe_reference  # noqa: E402 - kept beside their dispatch
 from .cpu_native import moe_route as native_moe_route  # noqa: E402
 from .moe import PackedExperts, fused_moe_cpu, moe_route, onednn_pack_supported  # noqa: E402

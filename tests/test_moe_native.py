@@ -81,9 +81,13 @@ def test_native_moe_bits_do_not_depend_on_threads_or_token_chunks(monkeypatch: p
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
-    per_token = 2 * 4 * (64 + 3 * 96 + 32)
+    per_token = 2 * 4 * (64 + 3 * 96) + 4 * 2
     monkeypatch.setattr(cpu_native, "_MOE_SCRATCH_BYTES", 7 * per_token)  # chunks of 7 tokens
+    kernel, calls = cpu_native._row_kernel("moe_panels_f32"), []  # noqa: SLF001
+    counting = lambda *a: calls.append(a[2]) or kernel(*a)  # noqa: E731 - the token count of each call
+    monkeypatch.setitem(cpu_native._row_fns, "moe_panels_f32", counting)  # noqa: SLF001
     assert torch.equal(_native(c), many)
+    assert calls == [7] * 7 + [1]
 
 
 def test_native_moe_refuses_bad_expert_ids() -> None:

@@ -30,10 +30,6 @@
 
 #define PTR_OF(v) ((void *)(intptr_t)(v))
 
-#ifndef XS_PAD
-#define XS_PAD 16
-#endif
-
 void kvpilot_silu_mul_f32(const float *gu, int64_t gu_stride, int rows, int inter, float *out, int num_threads);
 
 /* The (token, slot) pairs sorted by expert, a stable counting sort (token order within an expert): expert e's
@@ -82,17 +78,15 @@ int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int 
     for (int i = 0; i < pairs; i++)
         if (ids[i] < 0 || ids[i] >= E) return -1;
     if (pairs == 0) return 0;
-    /* the gathered rows XS floats apart, not H: rows 4 KB apart share L1 sets, and a tile reads 12 of them */
-    const int64_t XS = H + XS_PAD, AS = I + XS_PAD;
     const size_t ints = (size_t)(2 * E + 1) + (size_t)pairs;
-    const size_t bytes = sizeof(float) * (size_t)pairs * (size_t)(XS + I2 + AS) + sizeof(int) * ints;
+    const size_t bytes = sizeof(float) * (size_t)pairs * (size_t)(H + I2 + I) + sizeof(int) * ints;
     char *mem = (char *)thread_scratch(bytes);
     if (!mem) return -2;
     float *scratch = (float *)mem;
-    int *start = (int *)(mem + sizeof(float) * (size_t)pairs * (size_t)(XS + I2 + AS)), *next = start + E + 1;
+    int *start = (int *)(mem + sizeof(float) * (size_t)pairs * (size_t)(H + I2 + I)), *next = start + E + 1;
     int *order = next + E;
     sort_by_expert(ids, pairs, E, start, next, order);
-    float *xg = scratch, *gu = xg + (int64_t)pairs * XS, *act = gu + (int64_t)pairs * I2;
+    float *xg = scratch, *gu = xg + (int64_t)pairs * H, *act = gu + (int64_t)pairs * I2;
     if (num_threads < 1) num_threads = 1;
 #ifdef _OPENMP
     #pragma omp parallel num_threads(num_threads)
@@ -105,7 +99,7 @@ int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int 
 #endif
         const int r_lo = (int)((int64_t)pairs * t / nt), r_hi = (int)((int64_t)pairs * (t + 1) / nt);
         for (int r = r_lo; r < r_hi; r++)
-            memcpy(xg + (int64_t)r * XS, x + (int64_t)(order[r] / topk) * xs, sizeof(float) * (size_t)H);
+            memcpy(xg + (int64_t)r * H, x + (int64_t)(order[r] / topk) * xs, sizeof(float) * (size_t)H);
 #ifdef _OPENMP
         #pragma omp barrier
 #endif
@@ -114,7 +108,7 @@ int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int 
             const int lo = start[e], m = start[e + 1] - lo;
             if (m && a_lo < a_hi) {
                 const float *bias = w13_bias ? w13_bias + (int64_t)e * I2 : NULL;
-                panel_gemm_share(xg + (int64_t)lo * XS, XS, w13p + e * w13_size, bias, NULL, 0, gu + (int64_t)lo * I2,
+                panel_gemm_share(xg + (int64_t)lo * H, H, w13p + e * w13_size, bias, NULL, 0, gu + (int64_t)lo * I2,
                                  I2, m, I2, H, a_lo, a_hi);
             }
         }
@@ -122,8 +116,7 @@ int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int 
         #pragma omp barrier
 #endif
         if (r_lo < r_hi)
-            for (int r = r_lo; r < r_hi; r++)
-                kvpilot_silu_mul_f32(gu + (int64_t)r * I2, I2, 1, I, act + (int64_t)r * AS, 1);
+            kvpilot_silu_mul_f32(gu + (int64_t)r_lo * I2, I2, r_hi - r_lo, I, act + (int64_t)r_lo * I, 1);
         const int c_lo = (int)((int64_t)p2 * t / nt), c_hi = (int)((int64_t)p2 * (t + 1) / nt);
         const int n_lo = c_lo * PANEL, n_hi = c_hi * PANEL < H ? c_hi * PANEL : H;
         for (int tok = 0; tok < T && n_lo < n_hi; tok++)
@@ -134,7 +127,7 @@ int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int 
         for (int e = 0; e < E; e++) {
             const int lo = start[e], m = start[e + 1] - lo;
             if (m && c_lo < c_hi)
-                panels_scatter(act + (int64_t)lo * AS, AS, m, order + lo, weights, topk, w2p + e * w2_size, I, H,
+                panels_scatter(act + (int64_t)lo * I, I, m, order + lo, weights, topk, w2p + e * w2_size, I, H,
                                w2_bias ? w2_bias + (int64_t)e * H : NULL, c_lo, c_hi, out, os);
         }
     }

@@ -99,12 +99,11 @@ class MoEBlock(nn.Module):
     def prepack_experts(self, keep_panels: bool = False, *, force_float32: bool = False) -> bool:
         """The routed experts repacked for the CPU GEMMs the dense layers use (``kernels.moe.PackedExperts``),
         in place of the dense stacks: float32 ones as panels for every row count (where the native kernel is
-        built and not turned off, and SiLU experts or ``keep_panels``), otherwise one oneDNN-packed weight per expert. The router
-        and the shared expert are
-        ``projections()``, which the decoder layer packs itself. Call once, after loading (tensor-parallel
-        slices included); False where the experts stay dense (not on the CPU, a dtype oneDNN cannot pack here,
-        float32 experts the native kernel does not take unless ``force_float32``, the torch MoE backend forced,
-        or packed already)."""
+        built and not turned off, and SiLU experts or ``keep_panels``), otherwise one oneDNN-packed weight per
+        expert. The router and the shared expert are ``projections()``, which the decoder layer packs itself.
+        Call once, after loading (tensor-parallel slices included); False where the experts stay dense (not on
+        the CPU, a dtype oneDNN cannot pack here, float32 experts the native kernel does not take unless
+        ``force_float32``, the torch MoE backend forced, or packed already)."""
         if self.experts_packed or not isinstance(self.w13, torch.Tensor) or not isinstance(self.w2, torch.Tensor):
             return False  # packed already, or experts that are not dense float stacks (GGUF blocks)
         if self.w13.device.type != "cpu" or not ops.current().prepack_weights:
