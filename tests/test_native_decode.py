@@ -267,3 +267,33 @@ def test_native_gguf_moe_layers_match_python_bit_for_bit(arch: str, gguf_arch: s
                and (layer.moe.router_panels is not None) == (dtype == "bfloat16") for layer in model.layers)
     assert NativeDecodeLayers.why_not(model) is None
     _assert_native_matches_python(llm, monkeypatch)
+
+
+def test_native_moe_layers_compose_with_speculation(moe_model: Callable[[str], tuple[Path, Any]]) -> None:
+    """ngram speculation on a MoE model whose decode steps run natively: its verification steps (several rows a
+    sequence) take the Python layers, the others the native loop; greedy tokens equal the run without drafts,
+    through chunked prefill, prefix-cache hits and preemption."""
+    from kvpilot.kernels import cpu_native
+
+    if cpu_native.panel_gemm_max_rows() == 0:
+        pytest.skip("native panel kernel not built")
+    folder, _ = moe_model("mixtral")
+    gen = torch.Generator().manual_seed(5)
+    prompts = []
+    for i in range(6):  # copy-heavy prompts (a passage, then its start again), so that drafts get accepted
+        passage = torch.randint(8, 250, (24 + i,), generator=gen).tolist()
+        prompts.append({"prompt_token_ids": passage + passage[: 6 + i]})
+    prompts.append(dict(prompts[0]))  # a prefix-cache hit
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for name, spec in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_min": 1, "prompt_lookup_max": 3})):
+        llm = LLM(model=str(folder), dtype="float32", max_model_len=256, num_kv_blocks=24, block_size=8,
+                  max_num_seqs=8, max_num_batched_tokens=48, enable_prefix_caching=True, speculative_config=spec)
+        assert NativeDecodeLayers.why_not(llm.engine.runner.model) is None
+        outs[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        stats = llm.engine.get_stats()
+        assert stats.num_preempted_total > 0
+        if spec is not None:
+            assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    assert outs["ngram"] == outs["plain"]
