@@ -66,7 +66,8 @@ enum {
     L_MOE,      /* a MoE record; its router (float32 panels) is the gate|up GEMM, no down GEMM. 0: a dense MLP */
     L_GEMMS = 24,
 };
-/* A MoE layer's record: what kvpilot_moe_route_f32 and kvpilot_moe_panels_f32 take besides the rows */
+/* A MoE layer's record: what the routing and the experts' kernel (float32 panels or GGUF blocks) take besides the
+ * rows */
 enum { M_EXPERTS, M_TOPK, M_TOPK_FIRST, M_RENORMALIZE, M_INTER, M_W13, M_W13_BIAS, M_W2, M_W2_BIAS,
        M_GGUF, /* GGUF experts: kvpilot_moe_gguf_packed's arguments, the blocks filled in (0: float32 panels) */
        M_SLOTS };
@@ -153,9 +154,9 @@ static void add_normed(char *out, const char *a, const char *t, int M, int H, in
     }
 }
 
-/* A MoE layer's routed experts (float32) for the normed rows, into the step's MoE output rows: the router GEMM,
- * the routing and the experts, as models/moe.py's MoEBlock calls them. 0, or what failed as gemm's codes, -3
- * the experts' kernel. */
+/* A MoE layer's routed experts for the normed rows, into the step's MoE output rows (in the rows' dtype): the
+ * router GEMM, the routing and the experts, as models/moe.py's MoEBlock calls them. 0, or what failed as gemm's
+ * codes, -3 the experts' kernel. */
 static int moe_mlp(const int64_t *mr, const int64_t *router, const char *normed, int M, int H, const int64_t *step,
                    int bf16, int nt) {
     const int E = (int)mr[M_EXPERTS], k = (int)mr[M_TOPK];
