@@ -497,8 +497,6 @@ def moe_panels(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, inter: int,
     fn = _row_kernel("moe_panels_f32") if fits else None
     if fn is None:
         return None
-    if topk_ids.numel() and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < e:
-        raise ValueError(f"topk_ids holds expert ids outside [0, {e})")
     out = x.new_empty((t, h))
     # the kernel keeps its scratch rows between calls (csrc/moe_cpu.c): tokens go in chunks that hold it to 64 MB
     chunk = max(1, _MOE_SCRATCH_BYTES // (k * 4 * (h + 3 * inter) + 4 * k))
@@ -509,6 +507,8 @@ def moe_panels(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, inter: int,
                     topk_weights[lo].data_ptr(), w13.data_ptr(), 0 if w13_bias is None else w13_bias.data_ptr(),
                     w2.data_ptr(), 0 if w2_bias is None else w2_bias.data_ptr(), out[lo].data_ptr(), out.stride(0),
                     threads)
+        if status == -1:  # the kernel checks the ids before it writes anything
+            raise ValueError(f"topk_ids holds expert ids outside [0, {e})")
         if status != 0:
             raise MemoryError("the native MoE kernel could not allocate its scratch rows")
     return out

@@ -42,6 +42,14 @@ static void sort_by_expert(const int64_t *ids, int pairs, int E, int *start, int
     for (int i = 0; i < pairs; i++) order[next[ids[i]]++] = i;
 }
 
+/* Rows [lo, hi) of the sorted pairs' inputs gathered: dst row r = x's row of pair order[r]'s token (el bytes an
+ * element, H elements a row, x's rows xs elements apart) */
+static void gather_rows(char *dst, const char *x, int64_t xs, size_t el, int H, const int *order, int topk, int lo,
+                        int hi) {
+    for (int r = lo; r < hi; r++)
+        memcpy(dst + el * (size_t)r * H, x + el * (size_t)(order[r] / topk) * xs, el * (size_t)H);
+}
+
 /* out[token][n] += (act[m] . w2[n] + bias[n]) * weight, for the M sorted pairs `pairs` of one expert and the
  * output columns of panels [p_lo, p_hi) */
 static void panels_scatter(const float *act, int64_t as, int M, const int *pairs, const float *weights, int topk,
@@ -98,8 +106,7 @@ int kvpilot_moe_panels_f32(const float *x, int64_t xs, int T, int H, int I, int 
         const int t = 0, nt = 1;
 #endif
         const int r_lo = (int)((int64_t)pairs * t / nt), r_hi = (int)((int64_t)pairs * (t + 1) / nt);
-        for (int r = r_lo; r < r_hi; r++)
-            memcpy(xg + (int64_t)r * H, x + (int64_t)(order[r] / topk) * xs, sizeof(float) * (size_t)H);
+        gather_rows((char *)xg, (const char *)x, xs, sizeof(float), H, order, topk, r_lo, r_hi);
 #ifdef _OPENMP
         #pragma omp barrier
 #endif
@@ -223,8 +230,7 @@ int kvpilot_moe_gguf_packed(const int64_t *a) {
         const int t = 0, nt = 1;
 #endif
         const int r_lo = (int)((int64_t)pairs * t / nt), r_hi = (int)((int64_t)pairs * (t + 1) / nt);
-        for (int r = r_lo; r < r_hi; r++)
-            memcpy(xg + el * (size_t)r * H, x + el * (size_t)(order[r] / topk) * xs, el * (size_t)H);
+        gather_rows(xg, x, xs, el, H, order, topk, r_lo, r_hi);
 #ifdef _OPENMP
         #pragma omp barrier
 #endif
